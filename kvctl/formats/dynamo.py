@@ -1,0 +1,206 @@
+"""NVIDIA Dynamo's router-side formats.
+
+- RouterEvent as JSON (Dynamo <= 0.9, NATS core or JetStream);
+- the msgpack envelope of Dynamo >= 1.0 (NATS core), whose payload is an array of RouterEvents;
+- the Dynamo ZMQ event plane (>= 1.0): 4 frames ``[b"kv-events", publisher_id, sequence, frame]``
+  with ``frame = 0x01 || u32 BE length || envelope``.
+
+A RouterEvent becomes one canonical event: ``stored`` -> BlockStored (``block_hashes`` from the
+blocks' ``block_hash``, ``tokens_hashes`` from their ``tokens_hash``), ``removed`` ->
+BlockRemoved, ``"cleared"`` -> AllBlocksCleared; ``worker_id``, ``dp_rank``, ``event_id``,
+``storage_tier`` and every key this module does not know are kept on the event.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable
+from typing import Any
+
+import msgpack
+import xxhash
+
+from ..errors import DecodeError
+from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, Event
+from .engine_zmq import to_unsigned
+
+TOKENS_HASH_SEED = 1337
+EVENT_PLANE_TOPIC = b"kv-events"
+EVENT_PLANE_VERSION = 1
+
+JSON_FORM, ENVELOPE_FORM, EVENT_PLANE_FORM = "dynamo-json", "dynamo-msgpack", "dynamo-zmq"
+
+
+def tokens_hash(tokens: Iterable[int], lora_name: str | None = None) -> int:
+    """Dynamo's LocalBlockHash: xxh3_64 over u32-LE token ids, seed 1337 (+ LoRA name hash)."""
+    seed = TOKENS_HASH_SEED
+    if lora_name:
+        seed = (seed + xxhash.xxh3_64_intdigest(lora_name.encode(), seed=0)) & ((1 << 64) - 1)
+    tokens = list(tokens)
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(tokens)}I", *tokens), seed=seed)
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+
+def router_event_to_event(obj: Any) -> Event:
+    if not isinstance(obj, dict) or not isinstance(obj.get("event"), dict):
+        raise DecodeError("RouterEvent must be a map with an 'event' map")
+    inner = obj["event"]
+    data = inner.get("data")
+    event: Event
+    if data == "cleared" or (isinstance(data, dict) and "cleared" in data):
+        event = {"type": ALL_BLOCKS_CLEARED}
+    elif isinstance(data, dict) and isinstance(data.get("stored"), dict):
+        stored = data["stored"]
+        blocks = stored.get("blocks")
+        if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
+            raise DecodeError("stored event without a 'blocks' array of maps")
+        event = {
+            "type": BLOCK_STORED,
+            "block_hashes": [b.get("block_hash") for b in blocks],
+            "parent_block_hash": stored.get("parent_hash"),
+            "token_ids": None,
+            "block_size": None,
+            "lora_id": None,
+            "lora_name": stored.get("lora_name"),
+            "medium": None,
+            "tokens_hashes": [b.get("tokens_hash") for b in blocks],
+        }
+        mm = [b.get("mm_extra_info") for b in blocks]
+        if any(m is not None for m in mm):
+            event["mm_extra_info"] = mm
+        for key, value in stored.items():
+            if key not in ("blocks", "parent_hash", "lora_name"):
+                event[key] = value
+        for block in blocks:
+            for key in block.keys() - {"block_hash", "tokens_hash", "mm_extra_info"}:
+                event.setdefault("block_" + key, []).append(block[key])
+    elif isinstance(data, dict) and isinstance(data.get("removed"), dict):
+        removed = data["removed"]
+        hashes = removed.get("block_hashes")
+        if not isinstance(hashes, list):
+            raise DecodeError("removed event without a 'block_hashes' array")
+        event = {"type": BLOCK_REMOVED, "block_hashes": hashes, "medium": None}
+        for key, value in removed.items():
+            if key != "block_hashes":
+                event[key] = value
+    else:
+        raise DecodeError(f"RouterEvent data is not stored/removed/cleared: {str(data)[:60]}")
+    event["event_id"] = inner.get("event_id")
+    event["worker_id"] = obj.get("worker_id")
+    event["dp_rank"] = inner.get("dp_rank")
+    for key, value in inner.items():
+        if key not in ("data", "event_id", "dp_rank"):
+            event[key] = value
+    for key, value in obj.items():
+        if key not in ("event", "worker_id"):
+            event[key] = value
+    return event
+
+
+def decode_json(payload: bytes) -> list[Event]:
+    """A JSON RouterEvent (or an array of them)."""
+    try:
+        obj = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DecodeError(f"not JSON: {exc}") from None
+    objs = obj if isinstance(obj, list) else [obj]
+    return [router_event_to_event(o) for o in objs]
+
+
+def decode_envelope(payload: bytes) -> tuple[dict[str, Any], list[Event]]:
+    """A Dynamo >= 1.0 msgpack envelope; returns (envelope header, events)."""
+    try:
+        env = msgpack.unpackb(payload, raw=False)
+    except Exception as exc:
+        raise DecodeError(f"not msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(env, dict) or not isinstance(env.get("payload"), bytes):
+        raise DecodeError("Dynamo envelope must be a map with a binary 'payload'")
+    try:
+        inner = msgpack.unpackb(env["payload"], raw=False)
+    except Exception as exc:
+        raise DecodeError(f"envelope payload is not msgpack: {exc}") from None
+    objs = inner if isinstance(inner, list) else [inner]
+    header = {k: v for k, v in env.items() if k != "payload"}
+    return header, [router_event_to_event(o) for o in objs]
+
+
+def unwrap_event_plane(frames: list[bytes]) -> tuple[int, int, bytes]:
+    """Split a 4-frame event-plane message into (publisher_id, sequence, envelope bytes)."""
+    if len(frames) != 4 or frames[0] != EVENT_PLANE_TOPIC:
+        raise DecodeError("not a Dynamo event-plane message")
+    if len(frames[1]) != 8 or len(frames[2]) != 8:
+        raise DecodeError("event-plane publisher_id/sequence frames must be 8 bytes")
+    frame = frames[3]
+    if len(frame) < 5 or frame[0] != EVENT_PLANE_VERSION:
+        raise DecodeError(f"event-plane frame has unknown version byte {frame[:1].hex()}")
+    (length,) = struct.unpack_from(">I", frame, 1)
+    if length != len(frame) - 5:
+        raise DecodeError(f"event-plane frame says {length} bytes, carries {len(frame) - 5}")
+    return int.from_bytes(frames[1], "big"), int.from_bytes(frames[2], "big"), frame[5:]
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def router_event(
+    event: Event,
+    worker_id: int,
+    event_id: int,
+    dp_rank: int = 0,
+    storage_tier: str | None = "device",
+    with_mm_info: bool = True,
+) -> dict[str, Any]:
+    """Build a RouterEvent map from a canonical event; tokens_hash is computed from token_ids."""
+    etype = event["type"]
+    if etype == BLOCK_STORED:
+        hashes = [to_unsigned(h) for h in event.get("block_hashes") or ()]
+        tokens = event.get("token_ids") or []
+        size = event.get("block_size") or (len(tokens) // len(hashes) if hashes else 0)
+        lora = event.get("lora_name")
+        given = event.get("tokens_hashes")
+        blocks = []
+        for i, h in enumerate(hashes):
+            th = given[i] if given else tokens_hash(tokens[i * size:(i + 1) * size], lora)
+            block: dict[str, Any] = {"block_hash": h, "tokens_hash": th}
+            if with_mm_info:
+                block["mm_extra_info"] = None
+            blocks.append(block)
+        parent = event.get("parent_block_hash")
+        data: Any = {"stored": {"parent_hash": to_unsigned(parent) if parent is not None else None,
+                                "blocks": blocks}}
+    elif etype == BLOCK_REMOVED:
+        data = {"removed": {"block_hashes": [to_unsigned(h) for h in event.get("block_hashes")
+                                             or ()]}}
+    else:
+        data = "cleared"
+    out: dict[str, Any] = {"worker_id": worker_id}
+    if storage_tier is not None:
+        out["storage_tier"] = storage_tier
+    out["event"] = {"event_id": event_id, "data": data, "dp_rank": dp_rank}
+    return out
+
+
+def encode_json(router_event_map: dict[str, Any]) -> bytes:
+    """Dynamo 0.7-0.9: one JSON RouterEvent per NATS message."""
+    return json.dumps(router_event_map, separators=(",", ":")).encode()
+
+
+def encode_envelope(
+    router_events: list[dict[str, Any]], publisher_id: int, sequence: int, published_at_ms: int
+) -> bytes:
+    """Dynamo >= 1.0: msgpack envelope holding a msgpack array of RouterEvents."""
+    return msgpack.packb({
+        "publisher_id": publisher_id,
+        "sequence": sequence,
+        "published_at": published_at_ms,
+        "topic": "kv-events",
+        "payload": msgpack.packb(router_events),
+    })
+
+
+def encode_event_plane(envelope: bytes, publisher_id: int, sequence: int) -> list[bytes]:
+    frame = bytes([EVENT_PLANE_VERSION]) + struct.pack(">I", len(envelope)) + envelope
+    return [EVENT_PLANE_TOPIC, publisher_id.to_bytes(8, "big"), sequence.to_bytes(8, "big"), frame]
