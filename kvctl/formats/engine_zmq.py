@@ -17,7 +17,6 @@ import msgpack
 
 from ..errors import DecodeError
 from ..events import (
-    ALL_BLOCKS_CLEARED,
     BLOCK_REMOVED,
     BLOCK_STORED,
     REMOVED_ARRAY_FIELDS,

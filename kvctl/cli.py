@@ -1,0 +1,66 @@
+"""The ``kvctl`` command group. Subcommands live one per module in ``kvctl/commands`` and are
+imported only when used, so ``kvctl --help`` stays fast. ``main`` is the one place where
+exceptions become exit codes."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import signal
+import sys
+
+import click
+
+from . import __version__, commands
+from .errors import ExitCode, KvctlError
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(commands.__path__)
+                      if not m.name.startswith("_"))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.list_commands(ctx):
+            return None
+        module = importlib.import_module(f"kvctl.commands.{cmd_name.replace('-', '_')}")
+        return module.command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"],
+                                              "auto_envvar_prefix": "KVCTL"})
+@click.version_option(__version__, prog_name="kvctl")
+def cli() -> None:
+    """kvctl: tap, record, replay, simulate and check the KV-cache event streams of LLM
+    inference engines (vLLM, SGLang, TensorRT-LLM, NVIDIA Dynamo).
+
+    Exit codes: 0 ok, 1 runtime error, 2 usage, 3 `check` found errors, 130 interrupted.
+    """
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        code = cli.main(args=argv, prog_name="kvctl", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        code = exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        code = ExitCode.USAGE if isinstance(exc, click.UsageError) else ExitCode.ERROR
+    except click.exceptions.Abort:
+        code = ExitCode.INTERRUPTED
+    except KeyboardInterrupt:
+        code = ExitCode.INTERRUPTED
+    except KvctlError as exc:
+        print(f"kvctl: {exc}", file=sys.stderr)
+        code = exc.exit_code
+    except BrokenPipeError:
+        # the reader went away (`kvctl tap --json | head`): quiet, like other Unix tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = ExitCode.OK
+    sys.exit(int(code or 0))

@@ -1,0 +1,38 @@
+"""kvctl tap: subscribe to live KV-event streams and print every event."""
+
+from __future__ import annotations
+
+import click
+
+from ..options import (
+    connection_kwargs,
+    filter_options,
+    limit_options,
+    output_options,
+    source_arguments,
+)
+from ..session import stream
+
+
+@click.command("tap")
+@source_arguments
+@filter_options
+@limit_options
+@output_options
+@click.option("--strict", is_flag=True, help="Exit 1 at the first malformed message.")
+def command(**params: object) -> None:
+    """Subscribe to KV-event streams and print every event.
+
+    SOURCE is an engine's ZMQ PUB endpoint (tcp://HOST:PORT or ipc://PATH, optionally labelled
+    WORKER[:DP]=tcp://...), a NATS server (nats://HOST:PORT[/SUBJECT]) where Dynamo relays
+    events, or a recording. Every wire format is detected per message. Ends with a summary on
+    stderr; the first Ctrl-C prints it and exits 130.
+
+    \b
+    Example:
+      kvctl tap tcp://127.0.0.1:5557
+      kvctl tap 0=tcp://10.0.0.1:5557 1=tcp://10.0.0.2:5557 --json | jq .type
+      kvctl tap nats://127.0.0.1:4222 --from-start -c 100
+      kvctl tap tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558 --duration 60
+    """
+    stream(params, connection_kwargs(params))

@@ -1,0 +1,220 @@
+"""The one place that writes: JSON lines on stdout for programs, rich text for people, and
+diagnostics on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from typing import IO, Any
+
+from .events import CORE_EVENT_FIELDS, Batch, Event, present_hash
+
+try:  # orjson is several times faster than json on the hot path; json is the fallback
+    import orjson
+
+    def _dumps(row: dict[str, Any]) -> bytes:
+        try:
+            return orjson.dumps(row, default=_json_default)
+        except TypeError:  # e.g. ints beyond 64 bits: the stdlib encoder takes them
+            return json.dumps(row, default=_json_default, separators=(",", ":")).encode()
+except ImportError:  # pragma: no cover - orjson ships wheels for every supported platform
+
+    def _dumps(row: dict[str, Any]) -> bytes:
+        return json.dumps(row, default=_json_default, separators=(",", ":")).encode()
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def dumps(obj: Any) -> str:
+    """JSON text for one object (summaries, reports), bytes as hex."""
+    return _dumps(obj).decode()
+
+
+HASH_FIELDS = ("block_hashes", "parent_block_hash")
+_TEMPLATE = dict.fromkeys(("type", *CORE_EVENT_FIELDS))
+
+
+def present_hashes(values: Any, style: str) -> Any:
+    if type(values) is not list:
+        return present_hash(values, style) if values is not None else None
+    if style == "unsigned":
+        try:
+            if not values or min(values) >= 0:
+                return values  # already what we show: no per-hash work
+        except TypeError:
+            pass  # bytes hashes (or a mix): convert one by one
+    return [present_hash(v, style) for v in values]
+
+
+def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") -> list[dict]:
+    """The JSON-line view of events: core fields first (null when absent), then batch context,
+    then every other field the producer sent, under its own name."""
+    context = {
+        "ts": batch.ts,
+        "seq": batch.seq,
+        "source": batch.source,
+        "topic": batch.topic,
+        "worker_id": batch.worker_id,
+        "dp_rank": batch.dp_rank,
+        "format": batch.format,
+    }
+    if batch.recovered:
+        context["recovered"] = True
+    rows = []
+    for event in events:
+        row = {**_TEMPLATE, **context, **event}
+        row["block_hashes"] = present_hashes(row["block_hashes"], hash_style)
+        parent = row["parent_block_hash"]
+        if parent is not None:
+            row["parent_block_hash"] = present_hash(parent, hash_style)
+        rows.append(row)
+    return rows
+
+
+class JsonLinesSink:
+    """One JSON object per event per line on stdout."""
+
+    def __init__(self, stream: IO[bytes] | None = None, hash_style: str = "unsigned") -> None:
+        self.stream = stream or sys.stdout.buffer
+        self.hash_style = hash_style
+
+    def write(self, batch: Batch, events: list[Event]) -> None:
+        rows = event_rows(batch, events, self.hash_style)
+        self.stream.write(b"\n".join(map(_dumps, rows)) + b"\n")
+
+    def close(self) -> None:
+        self.stream.flush()
+
+
+def short_hash(value: Any, style: str) -> str:
+    shown = present_hash(value, style)
+    text = str(shown) if not isinstance(shown, int) or style != "hex" else f"{shown:x}"
+    return text if len(text) <= 12 else text[:10] + "…"
+
+
+def _clock(ts: float | None) -> str:
+    if ts is None:
+        return "--:--:--.---"
+    return datetime.fromtimestamp(ts).strftime("%H:%M:%S.%f")[:-3]
+
+
+_SHOWN_ELSEWHERE = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                    "lora_id", "lora_name", "medium", "worker_id", "dp_rank"}
+_STYLE = {"BlockStored": "green", "BlockRemoved": "red", "AllBlocksCleared": "magenta"}
+_MARK = {"BlockStored": "+", "BlockRemoved": "-", "AllBlocksCleared": "x"}
+
+
+class PrettySink:
+    """Readable batches: a header (time, source, seq, worker, format) and one line per event,
+    hashes shortened and token ids elided to a count."""
+
+    def __init__(self, console: Any = None, hash_style: str = "unsigned",
+                 max_hashes: int = 3) -> None:
+        from rich.console import Console
+
+        self.console = console or Console(highlight=False, soft_wrap=True)
+        self.hash_style = hash_style
+        self.max_hashes = max_hashes
+
+    def write(self, batch: Batch, events: list[Event]) -> None:
+        from rich.markup import escape
+
+        worker = "" if batch.worker_id is None else f" worker={batch.worker_id}"
+        dp = "" if batch.dp_rank is None else f" dp={batch.dp_rank}"
+        seq = "" if batch.seq is None else f" seq={batch.seq}"
+        recovered = " [yellow](recovered)[/]" if batch.recovered else ""
+        topic = f" topic={escape(batch.topic)}" if batch.topic else ""
+        lines = [f"[bold]{_clock(batch.ts)}[/] [cyan]{escape(batch.source)}[/]{seq}{worker}{dp}"
+                 f"{topic} [dim]{batch.format} · {len(events)} events[/]{recovered}"]
+        for event in events:
+            lines.append("  " + self.event_line(event))
+        self.console.print("\n".join(lines))
+
+    def event_line(self, event: Event) -> str:
+        from rich.markup import escape
+
+        etype = str(event.get("type"))
+        style = _STYLE.get(etype, "yellow")
+        parts = [f"[{style}]{_MARK.get(etype, '?')} {escape(etype):<16}[/]"]
+        hashes = event.get("block_hashes") or []
+        if hashes or etype != "AllBlocksCleared":
+            shown = " ".join(short_hash(h, self.hash_style) for h in hashes[: self.max_hashes])
+            more = f" +{len(hashes) - self.max_hashes}" if len(hashes) > self.max_hashes else ""
+            noun = "block" if len(hashes) == 1 else "blocks"
+            parts.append(f"{len(hashes)} {noun} [{shown}{more}]")
+        if "parent_block_hash" in event:
+            parent = event["parent_block_hash"]
+            parts.append("parent=" + ("-" if parent is None else short_hash(parent,
+                                                                             self.hash_style)))
+        tokens = event.get("token_ids")
+        if tokens is not None:
+            size = event.get("block_size")
+            parts.append(f"tokens={len(tokens)}" + (f" ({size}/block)" if size else ""))
+        for key in ("lora_name", "lora_id", "medium"):
+            if event.get(key) is not None:
+                parts.append(f"{key.split('_')[0] if key != 'lora_id' else 'lora_id'}="
+                             f"{escape(str(event[key]))}")
+        if "worker_id" in event:
+            parts.append(f"worker={event['worker_id']}")
+        extras = [k for k in event if k not in _SHOWN_ELSEWHERE and event[k] is not None]
+        if extras:
+            parts.append("[dim]" + escape(" ".join(f"{k}={_brief(event[k])}"
+                                                    for k in extras)) + "[/]")
+        return " ".join(parts)
+
+    def close(self) -> None:
+        pass
+
+
+def _brief(value: Any) -> str:
+    if isinstance(value, list):
+        return f"[{len(value)} items]" if len(value) > 3 else str(value)
+    text = value.hex() if isinstance(value, bytes) else str(value)
+    return text if len(text) <= 24 else text[:22] + "…"
+
+
+class StderrDiagnostics:
+    """Gap, sequence and malformed-message lines for people, on stderr."""
+
+    def __init__(self, console: Any = None, quiet: bool = False) -> None:
+        from rich.console import Console
+
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
+        self.quiet = quiet
+
+    def say(self, text: str, style: str = "") -> None:
+        from rich.markup import escape
+
+        if not self.quiet:
+            body = escape(text)
+            self.console.print(f"[{style}]{body}[/]" if style else body)
+
+    def malformed(self, batch: Batch) -> None:
+        raw = b"|".join(batch.frames)
+        preview = raw[:32].hex(" ") + (" …" if len(raw) > 32 else "")
+        seq = "" if batch.seq is None else f" seq={batch.seq}"
+        self.say(f"kvctl: malformed message from {batch.source}{seq}: {batch.error} "
+                 f"[{len(raw)} bytes: {preview}]", "red")
+
+    def gap(self, publisher: Any, expected: int, got: int, recovered: int) -> None:
+        missing = got - expected
+        how = f"{recovered} recovered from the replay socket" if recovered else "not recovered"
+        self.say(f"kvctl: gap from {_publisher(publisher)}: seq {expected}..{got - 1} missing "
+                 f"({missing} batches, {how})", "yellow")
+
+    def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None:
+        self.say(f"kvctl: {kind} from {_publisher(publisher)}: seq {got} after "
+                 f"{expected - 1}", "yellow")
+
+
+def _publisher(publisher: Any) -> str:
+    if isinstance(publisher, tuple):
+        return " ".join(str(p) for p in publisher)
+    return str(publisher)

@@ -1,0 +1,371 @@
+"""Where the layers meet: sources (transports + decoding) -> sequence tracking -> filters and
+stop conditions -> a sink. Commands only wire these pieces together."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .errors import StrictModeError, TransportError, UsageError
+from .events import Batch, Event
+from .formats import decode_nats, decode_zmq
+
+DRAIN_LIMIT = 512  # messages taken from one socket before the others get their turn
+
+
+@dataclass
+class SourceSpec:
+    """One source argument: ``[WORKER[:DP]=]tcp://...|ipc://...``, ``nats://HOST:PORT[/SUBJ]``
+    or a recording path."""
+
+    kind: str  # "zmq" | "nats" | "file"
+    address: str
+    worker_id: Any = None
+    dp_rank: int | None = None
+    subjects: list[str] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, text: str) -> SourceSpec:
+        label, sep, rest = text.partition("=")
+        if sep and "://" not in label:
+            worker, _, dp = label.partition(":")
+            if not worker:
+                raise UsageError(f"{text}: empty worker label before '='")
+            try:
+                dp_rank = int(dp) if dp else None
+            except ValueError:
+                raise UsageError(f"{text}: dp rank {dp!r} is not an integer") from None
+            spec = cls.parse(rest)
+            spec.worker_id = int(worker) if worker.isdigit() else worker
+            spec.dp_rank = dp_rank
+            return spec
+        if text.startswith(("tcp://", "ipc://", "inproc://")):
+            return cls("zmq", text)
+        if text.startswith(("nats://", "tls://")):
+            scheme, _, hostpath = text.partition("://")
+            host, _, subject = hostpath.partition("/")
+            return cls("nats", f"{scheme}://{host}", subjects=[subject] if subject else [])
+        if "://" in text:
+            raise UsageError(f"{text}: unknown scheme (use tcp://, ipc://, nats:// or a path)")
+        return cls("file", text)
+
+
+@dataclass
+class Limits:
+    count: int | None = None
+    duration: float | None = None
+    idle_timeout: float | None = None
+
+
+@dataclass
+class Filters:
+    types: frozenset[str] = frozenset()
+    workers: frozenset[str] = frozenset()
+
+    def apply(self, batch: Batch) -> list[Event]:
+        events = batch.events
+        if self.types:
+            events = [e for e in events if e.get("type") in self.types]
+        if self.workers and str(batch.worker_id) not in self.workers:
+            events = [e for e in events if str(e.get("worker_id", batch.worker_id))
+                      in self.workers]
+        return events
+
+
+@dataclass
+class Summary:
+    events: Counter = field(default_factory=Counter)
+    batches: int = 0
+    malformed: int = 0
+    gaps: int = 0
+    missing: int = 0
+    recovered: int = 0
+    duplicates: int = 0
+    reorders: int = 0
+    restarts: int = 0
+    publishers: set = field(default_factory=set)
+    started: float = field(default_factory=time.monotonic)
+    stopped_by: str = "end of input"
+
+    @property
+    def total_events(self) -> int:
+        return sum(self.events.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "events": self.total_events,
+            "events_by_type": dict(self.events),
+            "batches": self.batches,
+            "publishers": len(self.publishers),
+            "malformed": self.malformed,
+            "gaps": self.gaps,
+            "missing_batches": self.missing,
+            "recovered_batches": self.recovered,
+            "duplicates": self.duplicates,
+            "reorders": self.reorders,
+            "restarts": self.restarts,
+            "elapsed_s": round(time.monotonic() - self.started, 3),
+            "stopped_by": self.stopped_by,
+        }
+
+    def line(self) -> str:
+        by_type = ", ".join(f"{k} {v}" for k, v in sorted(self.events.items())) or "none"
+        text = (f"{self.total_events} events ({by_type}) in {self.batches} batches from "
+                f"{len(self.publishers)} publishers; gaps {self.gaps} ({self.missing} batches "
+                f"missing, {self.recovered} recovered), duplicates {self.duplicates}, "
+                f"reorders {self.reorders}, malformed {self.malformed}")
+        return text + f"; stopped by {self.stopped_by}"
+
+
+class Diagnostics(Protocol):
+    """Where the pipeline reports what a user must see (printed on stderr by the command)."""
+
+    def malformed(self, batch: Batch) -> None: ...
+    def gap(self, publisher: Any, expected: int, got: int, recovered: int) -> None: ...
+    def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None: ...
+
+
+class SeqTracker:
+    """Per-publisher sequence accounting: gaps, duplicates, reorders, restarts."""
+
+    def __init__(self, summary: Summary, diagnostics: Diagnostics | None) -> None:
+        self.next_seq: dict[Any, int] = {}
+        self.summary = summary
+        self.diagnostics = diagnostics
+
+    def check(self, batch: Batch) -> tuple[int, int] | None:
+        """Account for ``batch``; returns the missing range ``(first, end)`` on a forward gap."""
+        if batch.seq is None or batch.error is not None:
+            return None  # a malformed message's seq frame is not trusted
+        key = batch.publisher
+        expected = self.next_seq.get(key)
+        seq = batch.seq
+        if expected is None or seq == expected:
+            self.next_seq[key] = seq + 1
+            return None
+        if seq > expected:
+            self.next_seq[key] = seq + 1
+            self.summary.gaps += 1
+            self.summary.missing += seq - expected
+            return expected, seq
+        kind = "restart" if seq == 0 else "duplicate" if seq == expected - 1 else "reorder"
+        if kind == "restart":
+            self.summary.restarts += 1
+            self.next_seq[key] = 1
+        elif kind == "duplicate":
+            self.summary.duplicates += 1
+        else:
+            self.summary.reorders += 1
+        if self.diagnostics:
+            self.diagnostics.sequence(key, kind, expected, seq)
+        return None
+
+
+class Source(Protocol):
+    def batches(self) -> Iterator[Batch | None]:
+        """Yield decoded batches; ``None`` when idle (lets the caller check its timers)."""
+
+    def close(self) -> None: ...
+
+
+class LiveSource:
+    """Every ZMQ and NATS source of one command, polled together in one loop."""
+
+    def __init__(
+        self,
+        specs: list[SourceSpec],
+        nats_options: Any = None,
+        subjects: list[str] | None = None,
+        from_start: bool = False,
+        replay_endpoints: list[str] | None = None,
+        connect_timeout: float = 5.0,
+        topic: bytes = b"",
+    ) -> None:
+        import zmq
+
+        from .transports import zmq as zmq_transport
+
+        self.zmq = zmq
+        self.poller = zmq.Poller()
+        self.by_socket: dict[Any, tuple[str, Any]] = {}
+        self.subscribers: list[Any] = []
+        self.nats: list[Any] = []
+        self.replay_for: dict[str, str] = {}
+        self._closed = False
+        zmq_specs = [s for s in specs if s.kind == "zmq"]
+        if replay_endpoints and len(replay_endpoints) > len(zmq_specs):
+            raise UsageError(f"{len(replay_endpoints)} --replay-endpoint for "
+                             f"{len(zmq_specs)} ZMQ sources; give at most one per ZMQ source")
+        try:
+            for i, spec in enumerate(zmq_specs):
+                sub = zmq_transport.Subscriber(spec.address, topic)
+                self.subscribers.append(sub)
+                self.by_socket[sub.socket] = ("zmq", spec)
+                self.poller.register(sub.socket, zmq.POLLIN)
+                if replay_endpoints and i < len(replay_endpoints):
+                    self.replay_for[spec.address] = replay_endpoints[i]
+            for spec in specs:
+                if spec.kind == "nats":
+                    self._open_nats(spec, nats_options, subjects, from_start)
+            if connect_timeout > 0:
+                self._wait_connected(connect_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_nats(self, spec: SourceSpec, options: Any, subjects: list[str] | None,
+                   from_start: bool) -> None:
+        from .transports import nats as nats_transport
+
+        sub = nats_transport.Subscriber(spec.address, spec.subjects + list(subjects or []),
+                                        options, from_start)
+        self.nats.append(sub)
+        sub.start()
+        self.by_socket[sub.socket] = ("nats", spec)
+        self.poller.register(sub.socket, self.zmq.POLLIN)
+
+    def _wait_connected(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for sub in self.subscribers:
+            if not sub.wait_connected(max(0.0, deadline - time.monotonic())):
+                why = "connection refused" if sub.refused else "no connection"
+                raise TransportError(
+                    f"{sub.endpoint}: {why} after {timeout:g} s: is the engine publishing "
+                    f"there? (--connect-timeout 0 waits forever)")
+
+    def batches(self, poll_ms: int = 100) -> Iterator[Batch | None]:
+        from .transports.nats import CONTROL
+        from .transports.zmq import receive_all
+
+        poll = self.poller.poll
+        time_ns = time.time_ns
+        while True:
+            ready = poll(poll_ms)
+            if not ready:
+                yield None
+                continue
+            for sock, _ in ready:
+                kind, spec = self.by_socket[sock]
+                for frames in receive_all(sock, DRAIN_LIMIT):
+                    if kind == "zmq":
+                        yield decode_zmq(frames, spec.address, time_ns(), spec.worker_id,
+                                         spec.dp_rank)
+                    elif frames[0] == CONTROL:
+                        raise TransportError(frames[1].decode())
+                    else:
+                        batch = decode_nats(frames[0].decode(), frames[1], spec.address,
+                                            time_ns())
+                        yield batch
+
+    def recover(self, batch: Batch, first: int, end: int) -> list[Batch]:
+        """Fetch batches ``first..end-1`` from the source's replay socket, if it has one."""
+        endpoint = self.replay_for.get(batch.source)
+        if endpoint is None:
+            return []
+        from .transports.zmq import fetch_replay
+
+        replies, _complete = fetch_replay(endpoint, first)
+        out = []
+        spec = next(s for k, s in self.by_socket.values() if s.address == batch.source)
+        for topic, seq_frame, payload in replies:
+            seq = int.from_bytes(seq_frame, "big")
+            if first <= seq < end:
+                rb = decode_zmq([topic, seq_frame, payload], batch.source, time.time_ns(),
+                                spec.worker_id, spec.dp_rank)
+                rb.recovered = True
+                out.append(rb)
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sub in self.subscribers:
+            sub.close()
+        for sub in self.nats:
+            sub.close()
+
+
+class Sink(Protocol):
+    def write(self, batch: Batch, events: list[Event]) -> None: ...
+    def close(self) -> None: ...
+
+
+def run(
+    source: Any,
+    sink: Sink,
+    limits: Limits,
+    filters: Filters | None = None,
+    diagnostics: Diagnostics | None = None,
+    strict: bool = False,
+    summary: Summary | None = None,
+    on_batch: Callable[[Batch], None] | None = None,
+) -> Summary:
+    """Drive ``source`` into ``sink`` until input ends or a stop condition holds.
+
+    ``on_batch`` sees every batch (including malformed and filtered-out ones) before filtering:
+    recorders and checkers use it so that nothing is lost to a filter or a count.
+    """
+    summary = summary or Summary()
+    filters = filters or Filters()
+    tracker = SeqTracker(summary, diagnostics)
+    remaining = limits.count
+    start = time.monotonic()
+    deadline = start + limits.duration if limits.duration is not None else None
+    idle = limits.idle_timeout
+    last_activity = start
+    recover = getattr(source, "recover", None)
+    for batch in source.batches():
+        now = time.monotonic()
+        if batch is None:
+            if deadline is not None and now >= deadline:
+                summary.stopped_by = "--duration"
+                break
+            if idle is not None and now - last_activity >= idle:
+                summary.stopped_by = "--idle-timeout"
+                break
+            continue
+        last_activity = now
+        gap = tracker.check(batch)
+        pending = [batch]
+        if gap is not None:
+            recovered = recover(batch, *gap) if recover else []
+            summary.recovered += len(recovered)
+            summary.missing -= len(recovered)
+            if diagnostics:
+                diagnostics.gap(batch.publisher, gap[0], gap[1], len(recovered))
+            pending = [*recovered, batch]
+        for item in pending:
+            summary.batches += 1
+            summary.publishers.add(item.publisher)
+            if on_batch is not None:
+                on_batch(item)
+            if item.error is not None:
+                summary.malformed += 1
+                if diagnostics:
+                    diagnostics.malformed(item)
+                if strict:
+                    summary.stopped_by = "--strict"
+                    raise StrictModeError(f"malformed message from {item.source}: {item.error}")
+                continue
+            events = filters.apply(item)
+            if not events:
+                continue
+            if remaining is not None and len(events) >= remaining:
+                events = events[:remaining]
+                remaining = 0
+            elif remaining is not None:
+                remaining -= len(events)
+            for e in events:
+                summary.events[e.get("type")] += 1
+            sink.write(item, events)
+            if remaining == 0:
+                summary.stopped_by = "--count"
+                return summary
+        if deadline is not None and now >= deadline:
+            summary.stopped_by = "--duration"
+            break
+    return summary

@@ -1,0 +1,232 @@
+"""NATS transport: bytes in and out. No decoding here.
+
+nats-py is asyncio-only while kvctl's hot loop is a synchronous ZMQ poller, so the NATS client
+runs its own event loop in a thread and forwards every message as ``[subject, data]`` over an
+inproc ZMQ PUSH socket; the pipeline polls the matching PULL socket next to its ZMQ sources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from ..errors import TransportError, UsageError
+from .zmq import context
+
+# Subjects of every Dynamo era (see the wire-format reference, section 2).
+DEFAULT_SUBJECTS = (
+    "namespace.*.component.*.kv_events",  # <= 0.5, NATS core, JSON
+    "namespace.*.component.*.kv-events",  # 0.7-0.9 local indexer (JSON), 1.0-1.1 (msgpack)
+    "namespace.*.component.*.endpoint.*.kv-events",  # 1.2-1.6, msgpack envelope
+    "*.kv-events",  # 0.7-0.9 JetStream stream subject, JSON
+    "*.queue",  # 0.6 JetStream stream subject, JSON (filtered to *-kv-events streams)
+)
+KV_STREAM_SUFFIX = "-kv-events"
+CONTROL = b"\x00kvctl-control"
+
+
+@dataclass
+class NatsOptions:
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    connect_timeout: float = 5.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "connect_timeout": self.connect_timeout,
+            "allow_reconnect": True,
+            "max_reconnect_attempts": 5,
+            "reconnect_time_wait": 0.5,
+        }
+        if self.user is not None:
+            kwargs["user"] = self.user
+        if self.password is not None:
+            kwargs["password"] = self.password
+        if self.token is not None:
+            kwargs["token"] = self.token
+        if self.creds is not None:
+            kwargs["user_credentials"] = self.creds
+        if self.tls_ca or self.tls_cert:
+            import ssl
+
+            ctx = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert:
+                ctx.load_cert_chain(self.tls_cert, self.tls_key)
+            kwargs["tls"] = ctx
+        kwargs.update(self.extra)
+        return kwargs
+
+
+def is_kv_subject(subject: str) -> bool:
+    """`*.queue` also matches unrelated streams: keep only Dynamo's `...-kv-events.queue`."""
+    if subject.endswith(".queue"):
+        return subject.split(".", 1)[0].endswith(KV_STREAM_SUFFIX)
+    return True
+
+
+class Subscriber:
+    """Subscribe to NATS subjects (and optionally JetStream history) in a background thread."""
+
+    def __init__(
+        self,
+        server: str,
+        subjects: list[str],
+        options: NatsOptions | None = None,
+        from_start: bool = False,
+    ) -> None:
+        if not server.startswith(("nats://", "tls://")):
+            raise UsageError(f"{server}: not a NATS URL (nats://HOST:PORT)")
+        self.server = server
+        self.subjects = subjects or list(DEFAULT_SUBJECTS)
+        self.options = options or NatsOptions()
+        self.from_start = from_start
+        self._address = f"inproc://kvctl-nats-{id(self)}"
+        self.socket = context().socket(zmq.PULL)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.bind(self._address)
+        self._ready = threading.Event()
+        self._error: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="kvctl-nats", daemon=True)
+        self.jetstream_subjects: list[str] = []
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._ready.wait(self.options.connect_timeout + 5):
+            raise TransportError(f"{self.server}: no answer from the NATS server")
+        if self._error:
+            raise TransportError(self._error)
+
+    def _run(self) -> None:
+        push = context().socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.connect(self._address)
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main(push))
+        except Exception as exc:  # reported to the main thread, never a traceback
+            self._error = self._error or f"{self.server}: {type(exc).__name__}: {exc}"
+            self._ready.set()
+            push.send_multipart([CONTROL, self._error.encode()])
+        finally:
+            push.close(0)
+            loop.close()
+
+    async def _main(self, push: zmq.Socket) -> None:
+        import nats
+
+        self._stop = asyncio.Event()
+        closed_reason: list[str] = []
+
+        async def on_closed() -> None:
+            closed_reason.append("connection closed")
+            self._stop.set()
+
+        async def on_error(exc: Exception) -> None:
+            closed_reason.append(str(exc) or type(exc).__name__)
+
+        try:
+            nc = await nats.connect(servers=[self.server], closed_cb=on_closed,
+                                    error_cb=on_error, **self.options.connect_kwargs())
+        except Exception as exc:
+            reason = closed_reason[-1] if closed_reason else (str(exc) or type(exc).__name__)
+            self._error = f"{self.server}: cannot connect to NATS: {reason}"
+            self._ready.set()
+            return
+        jetstream_subjects: set[str] = set()
+
+        async def forward(msg: Any) -> None:
+            if msg.subject in jetstream_subjects or not is_kv_subject(msg.subject):
+                return
+            push.send_multipart([msg.subject.encode(), msg.data], copy=False)
+
+        async def forward_js(msg: Any) -> None:
+            push.send_multipart([msg.subject.encode(), msg.data], copy=False)
+
+        try:
+            if self.from_start:
+                jetstream_subjects.update(await self._subscribe_history(nc, forward_js))
+                self.jetstream_subjects = sorted(jetstream_subjects)
+            for subject in self.subjects:
+                await nc.subscribe(subject, cb=forward)
+            await nc.flush(timeout=self.options.connect_timeout)
+        except Exception as exc:
+            self._error = f"{self.server}: subscribe failed: {exc}"
+            self._ready.set()
+            await nc.close()
+            return
+        self._ready.set()
+        await self._stop.wait()
+        if closed_reason and not self._stopping:
+            push.send_multipart([CONTROL, f"{self.server}: {closed_reason[-1]}".encode()])
+        if not nc.is_closed:
+            await nc.drain()
+
+    _stopping = False
+
+    async def _subscribe_history(self, nc: Any, cb: Any) -> set[str]:
+        """Ordered consumers from the first message of every Dynamo KV-event stream."""
+        from nats.js.api import DeliverPolicy
+
+        js = nc.jetstream()
+        subjects: set[str] = set()
+        for info in await js.streams_info():
+            config = info.config
+            if not (config.name or "").endswith(KV_STREAM_SUFFIX):
+                continue
+            for subject in config.subjects or ():
+                await js.subscribe(subject, cb=cb, ordered_consumer=True,
+                                   deliver_policy=DeliverPolicy.ALL)
+                subjects.add(subject)
+        return subjects
+
+    def close(self) -> None:
+        self._stopping = True
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout=5)
+        self.socket.close(0)
+
+
+async def publish(
+    server: str,
+    messages: list[tuple[str, bytes]],
+    options: NatsOptions | None = None,
+    jetstream_stream: str | None = None,
+) -> None:
+    """Publish ``(subject, data)`` messages; with ``jetstream_stream`` the stream is created if
+    needed and each publish waits for the server's ack."""
+    import nats
+
+    try:
+        nc = await nats.connect(servers=[server], **(options or NatsOptions()).connect_kwargs())
+    except Exception as exc:
+        raise TransportError(f"{server}: cannot connect to NATS: {exc}") from None
+    try:
+        if jetstream_stream:
+            js = nc.jetstream()
+            subjects = sorted({s for s, _ in messages})
+            try:
+                await js.add_stream(name=jetstream_stream, subjects=subjects)
+            except Exception:
+                await js.update_stream(name=jetstream_stream, subjects=subjects)
+            for subject, data in messages:
+                await js.publish(subject, data)
+        else:
+            for subject, data in messages:
+                await nc.publish(subject, data)
+            await nc.flush()
+    finally:
+        await nc.close()

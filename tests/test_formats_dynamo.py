@@ -1,0 +1,137 @@
+"""Dynamo router-side formats: JSON RouterEvents of every era, the >= 1.0 msgpack envelope and
+the ZMQ event plane; tokens_hash."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvctl.formats import decode_nats, decode_zmq
+from kvctl.formats.dynamo import (
+    encode_envelope,
+    encode_event_plane,
+    encode_json,
+    router_event,
+    tokens_hash,
+)
+
+
+def test_tokens_hash_known_vector_and_lora_seed():
+    assert tokens_hash([0, 1, 2, 3]) == 9143094415614847814
+    seed = (1337 + xxhash.xxh3_64_intdigest(b"my-lora", seed=0)) % 2**64
+    expected = xxhash.xxh3_64_intdigest(b"".join(t.to_bytes(4, "little") for t in range(4)),
+                                        seed=seed)
+    assert tokens_hash([0, 1, 2, 3], "my-lora") == expected != 9143094415614847814
+
+
+STORED_05 = {"worker_id": 7, "event": {"event_id": 3, "data": {"stored": {
+    "parent_hash": None, "blocks": [{"block_hash": 11, "tokens_hash": 21},
+                                    {"block_hash": 12, "tokens_hash": 22}]}}}}
+REMOVED_06 = {"worker_id": 7, "event": {"event_id": 4, "data": {"removed": {
+    "block_hashes": [11]}}, "dp_rank": 1}}
+CLEARED_09 = {"worker_id": 8, "event": {"event_id": 5, "data": "cleared", "dp_rank": 0}}
+
+
+def test_json_router_events_of_each_era():
+    stored = decode_nats("namespace.ns.component.c.kv_events", json.dumps(STORED_05).encode(),
+                         "nats://x")
+    assert stored.error is None and stored.format == "dynamo-json"
+    assert stored.worker_id == 7
+    ev = stored.events[0]
+    assert ev["type"] == "BlockStored" and ev["block_hashes"] == [11, 12]
+    assert ev["tokens_hashes"] == [21, 22] and ev["parent_block_hash"] is None
+    assert (ev["event_id"], ev["worker_id"], ev["dp_rank"]) == (3, 7, None)
+    removed = decode_nats("ns-kv-events.queue", json.dumps(REMOVED_06).encode(), "nats://x")
+    assert removed.events[0] | {} == {"type": "BlockRemoved", "block_hashes": [11],
+                                      "medium": None, "event_id": 4, "worker_id": 7,
+                                      "dp_rank": 1}
+    cleared = decode_nats("s.kv-events", json.dumps(CLEARED_09).encode(), "nats://x")
+    assert cleared.events[0]["type"] == "AllBlocksCleared" and cleared.worker_id == 8
+
+
+def test_envelope_with_newer_fields_keeps_everything():
+    rev = {"worker_id": 2**64 - 1, "storage_tier": "host_pinned", "residency_domain": "worker",
+           "event": {"event_id": 9, "dp_rank": 0, "data": {"stored": {
+               "parent_hash": 5, "start_position": 32, "blocks": [
+                   {"block_hash": 2**63, "tokens_hash": 1, "mm_extra_info": {"k": 1}}]}},
+               "future_field": "x"}}
+    env = msgpack.packb({"publisher_id": 42, "sequence": 17, "published_at": 1_700_000_000_123,
+                         "topic": "kv-events", "payload": msgpack.packb([rev, CLEARED_09])})
+    batch = decode_nats("namespace.ns.component.c.endpoint.e.kv-events", env, "nats://x")
+    assert batch.error is None and batch.format == "dynamo-msgpack"
+    assert (batch.seq, batch.ts) == (17, 1_700_000_000.123)
+    assert batch.publisher == ("nats://x", 42)
+    ev, cleared = batch.events
+    assert ev["block_hashes"] == [2**63] and ev["parent_block_hash"] == 5
+    assert ev["storage_tier"] == "host_pinned" and ev["residency_domain"] == "worker"
+    assert ev["start_position"] == 32 and ev["mm_extra_info"] == [{"k": 1}]
+    assert ev["future_field"] == "x" and ev["worker_id"] == 2**64 - 1
+    assert cleared["worker_id"] == 8
+
+
+def test_event_plane_four_frames():
+    env = encode_envelope([router_event({"type": "AllBlocksCleared"}, 1, 0)], 42, 5, 1000)
+    frames = encode_event_plane(env, 42, 5)
+    assert frames[3][:1] == b"\x01" and int.from_bytes(frames[3][1:5], "big") == len(env)
+    batch = decode_zmq(frames, "tcp://x")
+    assert batch.error is None and batch.format == "dynamo-zmq"
+    assert batch.seq == 5 and batch.publisher == ("tcp://x", 42)
+    bad = decode_zmq([*frames[:3], b"\x02" + frames[3][1:]], "tcp://x")
+    assert "version" in bad.error
+    short = decode_zmq([*frames[:3], frames[3][:-1]], "tcp://x")
+    assert "says" in short.error
+
+
+@pytest.mark.parametrize("data", [b"{", b"{}", b'{"event": {"data": 5}}', b"\x85\xa1a",
+                                  msgpack.packb({"payload": "not bin"}), b"\x00\x01", b""])
+def test_bad_nats_payloads_are_error_batches(data):
+    batch = decode_nats("s", data, "nats://x")
+    assert batch.error and batch.events == [] and batch.frames == [data]
+
+
+u64 = st.integers(0, 2**64 - 1)
+
+
+@st.composite
+def canonical(draw):
+    kind = draw(st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]))
+    if kind == "BlockStored":
+        n = draw(st.integers(1, 3))
+        return {"type": kind, "block_hashes": draw(st.lists(u64, min_size=n, max_size=n)),
+                "parent_block_hash": draw(st.none() | u64), "block_size": 4,
+                "token_ids": draw(st.lists(st.integers(0, 2**32 - 1), min_size=4 * n,
+                                           max_size=4 * n))}
+    if kind == "BlockRemoved":
+        return {"type": kind, "block_hashes": draw(st.lists(u64, min_size=1, max_size=3))}
+    return {"type": kind}
+
+
+def _check(event, decoded, worker):
+    assert decoded["type"] == event["type"] and decoded["worker_id"] == worker
+    if event["type"] != "AllBlocksCleared":
+        assert decoded["block_hashes"] == event["block_hashes"]
+    if event["type"] == "BlockStored":
+        assert decoded["parent_block_hash"] == event["parent_block_hash"]
+        toks = event["token_ids"]
+        assert decoded["tokens_hashes"] == [tokens_hash(toks[i:i + 4])
+                                            for i in range(0, len(toks), 4)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(canonical(), min_size=1, max_size=5), u64)
+def test_json_and_envelope_round_trip(events, worker):
+    rmaps = [router_event(e, worker, i) for i, e in enumerate(events)]
+    for i, (event, rmap) in enumerate(zip(events, rmaps, strict=True)):
+        batch = decode_nats("s.kv-events", encode_json(rmap), "nats://x")
+        assert batch.error is None
+        _check(event, batch.events[0], worker)
+        assert batch.events[0]["event_id"] == i
+    env = decode_nats("s", encode_envelope(rmaps, 1, 2, 3), "nats://x")
+    assert env.error is None and len(env.events) == len(events)
+    for event, decoded in zip(events, env.events, strict=True):
+        _check(event, decoded, worker)

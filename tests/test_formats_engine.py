@@ -1,0 +1,191 @@
+"""Engine-side ZMQ batches: golden vectors from the wire-format reference, round trips, and
+hostile input."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvctl.formats import decode_zmq, worker_from_topic
+from kvctl.formats.engine_zmq import ARRAY_LAYOUTS, encode_frames, encode_payload
+
+TOKENS = list(range(32))
+
+
+def frames_of(batch_obj, seq=7, topic=b"") -> list[bytes]:
+    return [topic, seq.to_bytes(8, "big"), msgpack.packb(batch_obj)]
+
+
+def test_vllm_map_form_batch_is_decoded_as_sent():
+    ev = {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+          "token_ids": TOKENS, "block_size": 16, "lora_id": None, "medium": "GPU",
+          "lora_name": None, "group_idx": 1, "kv_cache_spec_kind": "full_attention"}
+    batch = decode_zmq(frames_of([1.5, [ev, {"type": "AllBlocksCleared"}], 2]), "src", 1)
+    assert batch.error is None
+    assert (batch.seq, batch.ts, batch.dp_rank, batch.format) == (7, 1.5, 2, "engine-map")
+    assert batch.events == [ev, {"type": "AllBlocksCleared"}]
+
+
+def test_map16_header_for_small_map_decodes():
+    # vLLM 0.33 (msgspec) writes map16 even for 8 entries: de 00 08
+    body = b"".join(msgpack.packb(x) for x in (
+        "type", "BlockRemoved", "block_hashes", [1], "medium", "GPU", "group_idx", 0,
+        "locality", None, "ownership", None, "a", 1, "b", 2))
+    payload = b"\x93" + msgpack.packb(1.0) + b"\x91" + b"\xde\x00\x08" + body + b"\x00"
+    batch = decode_zmq([b"", (0).to_bytes(8, "big"), payload], "src")
+    assert batch.error is None
+    assert batch.events[0]["type"] == "BlockRemoved" and batch.events[0]["b"] == 2
+
+
+@pytest.mark.parametrize("version,stored_len", [(v, s) for v, (s, _) in ARRAY_LAYOUTS.items()])
+def test_every_historical_array_length(version, stored_len):
+    full = ["BlockStored", [1, 2], None, TOKENS, 16, None, "GPU", "lora-a", [["x"]], 0,
+            "sliding_window", 128]
+    batch = decode_zmq(frames_of([2.0, [full[:stored_len]], 0]), "src")
+    assert batch.error is None and batch.format == "engine-array"
+    ev = batch.events[0]
+    assert ev["type"] == "BlockStored" and ev["block_hashes"] == [1, 2]
+    assert ev["token_ids"] == TOKENS and ev["block_size"] == 16
+    assert len(ev) == stored_len  # every element named, none invented
+    if stored_len >= 7:
+        assert ev["medium"] == "GPU"
+    if stored_len == 12:
+        assert ev["kv_cache_spec_sliding_window"] == 128
+
+
+def test_vllm_0_9_two_element_batch_and_removed_arrays():
+    events = [["BlockRemoved", [5]], ["BlockRemoved", [6], "CPU"], ["BlockRemoved", [7], "GPU", 1],
+              ["AllBlocksCleared"]]
+    batch = decode_zmq(frames_of([3.0, events]), "src")
+    assert batch.error is None and batch.dp_rank is None
+    assert batch.events == [
+        {"type": "BlockRemoved", "block_hashes": [5]},
+        {"type": "BlockRemoved", "block_hashes": [6], "medium": "CPU"},
+        {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 1},
+        {"type": "AllBlocksCleared"},
+    ]
+
+
+def test_longer_array_than_known_keeps_extra_fields():
+    ev = ["BlockStored", [1], None, TOKENS[:16], 16, None, "GPU", None, None, 0, None, None, "new"]
+    batch = decode_zmq(frames_of([1.0, [ev], 0]), "src")
+    assert batch.events[0]["field_12"] == "new"
+
+
+def test_mixed_shapes_bytes_hashes_and_eagle_pairs():
+    h = bytes(range(32))
+    events = [
+        {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None,
+         "token_ids": [[1, 2], [3, 4]], "block_size": 2, "lora_id": None},
+        ["BlockRemoved", [h], "GPU"],
+    ]
+    batch = decode_zmq(frames_of([1.0, events, None]), "src")
+    assert batch.format == "engine-mixed"
+    assert batch.events[0]["block_hashes"] == [h] and batch.events[0]["token_ids"] == [[1, 2],
+                                                                                       [3, 4]]
+    assert batch.events[1]["block_hashes"] == [h]
+
+
+def test_signed_hashes_kept_as_sent():
+    ev = {"type": "BlockStored", "block_hashes": [-1, 2**64 - 1], "parent_block_hash": -2,
+          "token_ids": TOKENS, "block_size": 16, "lora_id": None}
+    batch = decode_zmq(frames_of([1.0, [ev], 0]), "src")
+    assert batch.events[0]["block_hashes"] == [-1, 2**64 - 1]
+
+
+def test_llm_d_topic_names_the_worker_and_labels_win():
+    batch = decode_zmq(frames_of([1.0, [], 0], topic=b"kv@pod-7@llama"), "src")
+    assert batch.worker_id == "pod-7" and batch.topic == "kv@pod-7@llama"
+    labelled = decode_zmq(frames_of([1.0, [], None], topic=b"kv@pod-7@llama"), "src",
+                          worker_id=3, dp_rank=1)
+    assert (labelled.worker_id, labelled.dp_rank) == (3, 1)
+    assert worker_from_topic("kv@@m") is None and worker_from_topic("other") is None
+
+
+@pytest.mark.parametrize("frames,why", [
+    ([b"", (0).to_bytes(8, "big")], "2 frames"),
+    ([b"", b"\x00" * 4, msgpack.packb([1.0, [], 0])], "seq frame is 4 bytes"),
+    ([b"", b"\x00" * 8, b"\xc1"], "not msgpack"),
+    ([b"", b"\x00" * 8, msgpack.packb([1.0, [], 0])[:-1]], "not msgpack"),
+    ([b"", b"\x00" * 8, msgpack.packb({"a": 1})], "expected [ts, events, dp_rank]"),
+    ([b"", b"\x00" * 8, msgpack.packb(["x", [], 0])], "ts"),
+    ([b"", b"\x00" * 8, msgpack.packb([1.0, {}, 0])], "events"),
+    ([b"", b"\x00" * 8, msgpack.packb([1.0, [5], 0])], "event 0"),
+    ([b"", b"\x00" * 8, msgpack.packb([1.0, [{"no": "type"}], 0])], "without a string 'type'"),
+    ([b"", b"\x00" * 8, b"\xdd\xff\xff\xff\xff"], "not msgpack"),  # array header of 4G items
+])
+def test_bad_input_becomes_an_error_batch(frames, why):
+    batch = decode_zmq(frames, "src")
+    assert batch.error is not None and why in batch.error
+    assert batch.events == [] and batch.frames == frames
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), max_size=5))
+def test_random_frames_never_raise(frames):
+    batch = decode_zmq(frames, "src")
+    assert batch.error is not None or isinstance(batch.events, list)
+
+
+hashes = st.lists(st.integers(min_value=0, max_value=2**64 - 1), min_size=1, max_size=4)
+
+
+@st.composite
+def stored_events(draw):
+    hs = draw(hashes)
+    size = draw(st.sampled_from([1, 2, 16]))
+    return {"type": "BlockStored", "block_hashes": hs,
+            "parent_block_hash": draw(st.none() | st.integers(0, 2**64 - 1)),
+            "token_ids": draw(st.lists(st.integers(0, 2**32 - 1), min_size=size * len(hs),
+                                       max_size=size * len(hs))),
+            "block_size": size, "lora_id": draw(st.none() | st.integers(1, 100)),
+            "medium": draw(st.sampled_from(["GPU", "CPU"])), "lora_name": None}
+
+
+events_strategy = st.lists(
+    stored_events()
+    | st.builds(lambda h: {"type": "BlockRemoved", "block_hashes": h, "medium": "GPU"}, hashes)
+    | st.just({"type": "AllBlocksCleared"}),
+    max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events_strategy, st.sampled_from(list(ARRAY_LAYOUTS)))
+def test_vllm_map_and_array_round_trip(events, layout):
+    for encoding in ("vllm", "vllm-array"):
+        payload = encode_payload(events, 1.25, 0, encoding, layout)
+        batch = decode_zmq(encode_frames(b"t", 3, payload), "src")
+        assert batch.error is None and batch.seq == 3 and batch.ts == 1.25
+        if encoding == "vllm":
+            assert batch.events == events
+        else:  # an array carries the layout's fields: those we had, exact; newer ones null
+            for got, want in zip(batch.events, events, strict=True):
+                assert {k: want.get(k) for k in got} == got
+                assert set(want) - set(got) <= {"medium", "lora_name"}
+
+
+def _signed(h):
+    return h - 2**64 if h >= 2**63 else h
+
+
+@settings(max_examples=100, deadline=None)
+@given(events_strategy)
+def test_sglang_and_seed_round_trip(events):
+    sglang = decode_zmq(encode_frames(b"", 0, encode_payload(events, 1.0, 0, "sglang")), "s")
+    seed = decode_zmq(encode_frames(b"", 0, encode_payload(events, 1.0, 0, "seed")), "s")
+    assert sglang.error is None and seed.error is None
+    # SGLang: one store per page, chained; signed hashes
+    expected_pages = [(ev["block_hashes"][i], ev["token_ids"][i * ev["block_size"]:
+                                                              (i + 1) * ev["block_size"]])
+                      for ev in events if ev["type"] == "BlockStored"
+                      for i in range(len(ev["block_hashes"]))]
+    pages = [(e["block_hashes"][0], e["token_ids"]) for e in sglang.events
+             if e["type"] == "BlockStored"]
+    assert pages == [(_signed(h), t) for h, t in expected_pages]
+    stored = [e for e in seed.events if e["type"] == "BlockStored"]
+    assert [e["block_hashes"] for e in stored] == [
+        [_signed(h) for h in ev["block_hashes"]] for ev in events if ev["type"] == "BlockStored"]
+    assert all(set(e) == {"type", "block_hashes"} for e in seed.events
+               if e["type"] == "BlockRemoved")

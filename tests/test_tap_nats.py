@@ -1,0 +1,106 @@
+"""kvctl tap against a real nats-server: every Dynamo era's subject and body."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgpack
+import nats
+from conftest import finish, free_port, run_kvctl, start_kvctl
+
+from kvctl.formats.dynamo import encode_envelope, encode_json, router_event, tokens_hash
+
+
+def wait_ready(proc) -> None:
+    line = proc.stderr.readline().decode()
+    assert line.startswith("kvctl: reading"), line
+
+
+async def _publish(url: str, messages, stream: str | None = None) -> None:
+    nc = await nats.connect(url)
+    try:
+        if stream:
+            js = nc.jetstream()
+            await js.add_stream(name=stream, subjects=sorted({s for s, _ in messages}))
+            for subject, data in messages:
+                await js.publish(subject, data)
+        else:
+            for subject, data in messages:
+                await nc.publish(subject, data)
+            await nc.flush()
+    finally:
+        await nc.close()
+
+
+def publish(url, messages, stream=None) -> None:
+    asyncio.run(asyncio.wait_for(_publish(url, messages, stream), 10))
+
+
+STORED = {"type": "BlockStored", "block_hashes": [2**64 - 2, 5], "parent_block_hash": None,
+          "token_ids": list(range(8)), "block_size": 4}
+
+
+def test_live_subjects_of_every_era(nats_server):
+    proc = start_kvctl("tap", nats_server.url, "--json", "-c", "4")
+    wait_ready(proc)
+    envelope = encode_envelope([router_event(STORED, 3, 0), router_event(
+        {"type": "BlockRemoved", "block_hashes": [5]}, 3, 1)], 99, 0, 1_700_000_000_000)
+    publish(nats_server.url, [
+        ("namespace.dyn.component.backend.kv_events",  # <= 0.5, JSON
+         encode_json(router_event(STORED, 1, 0, storage_tier=None, with_mm_info=False))),
+        ("namespace-dyn-component-backend-kv-events.kv-events",  # 0.7-0.9 JetStream subject
+         encode_json(router_event({"type": "AllBlocksCleared"}, 2, 1))),
+        ("unrelated.queue", b"{}"),  # not a KV stream: ignored
+        ("namespace.dyn.component.backend.endpoint.generate.kv-events", envelope),  # >= 1.2
+    ])
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["type"], r["worker_id"], r["format"]) for r in rows] == [
+        ("BlockStored", 1, "dynamo-json"), ("AllBlocksCleared", 2, "dynamo-json"),
+        ("BlockStored", 3, "dynamo-msgpack"), ("BlockRemoved", 3, "dynamo-msgpack")]
+    assert rows[0]["tokens_hashes"] == [tokens_hash(range(4)), tokens_hash(range(4, 8))]
+    assert rows[2]["seq"] == 0 and rows[2]["topic"].endswith("endpoint.generate.kv-events")
+    assert "malformed 0" in err
+
+
+def test_subject_in_url_and_pretty_output(nats_server):
+    subject = "custom.kv"
+    proc = start_kvctl("tap", f"{nats_server.url}/{subject}", "-c", "1")
+    wait_ready(proc)
+    publish(nats_server.url, [("namespace.x.component.y.kv_events", b"{}"),
+                              (subject, encode_json(router_event(STORED, 4, 0)))])
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    assert "BlockStored" in out and "2 blocks" in out and "worker=4" in out
+
+
+def test_from_start_reads_jetstream_history(nats_server):
+    stream = "namespace-hist-component-backend-kv-events"
+    subject = f"{stream}.kv-events"
+    publish(nats_server.url, [(subject, encode_json(router_event(
+        {"type": "BlockRemoved", "block_hashes": [i]}, 9, i))) for i in range(3)], stream=stream)
+    result = run_kvctl("tap", nats_server.url, "--from-start", "--json", "-c", "3")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert [r["block_hashes"] for r in rows] == [[0], [1], [2]]
+    assert [r["event_id"] for r in rows] == [0, 1, 2]
+
+
+def test_malformed_nats_message_is_shown(nats_server):
+    proc = start_kvctl("tap", nats_server.url, "--idle-timeout", "1", "--json")
+    wait_ready(proc)
+    publish(nats_server.url, [("namespace.a.component.b.kv-events", b"\x85garbage"),
+                              ("namespace.a.component.b.kv-events",
+                               msgpack.packb({"payload": b"\xc1"}))])
+    rc, out, err = finish(proc)
+    assert rc == 0 and out == ""
+    assert err.count("malformed message from") == 2 and "malformed 2" in err
+
+
+def test_unreachable_nats_is_a_clear_error():
+    result = run_kvctl("tap", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "1")
+    err = result.stderr.decode()
+    assert result.returncode == 1 and "cannot connect to NATS" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1  # one line

@@ -1,0 +1,235 @@
+"""kvctl tap against real ZMQ publishers on 127.0.0.1, run as a user runs it (subprocess)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from conftest import Engine, finish, free_port, interrupt, removed, run_kvctl, start_kvctl, stored
+
+from kvctl.transports.zmq import ReplayServer
+
+
+def json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_json_lines_carry_every_documented_field(engine):
+    proc = start_kvctl("tap", engine.endpoint, "--json", "-c", "3")
+    engine.wait_for()
+    engine.send([stored([1, 2**63 + 5], extra_keys=[["img", 0]]), removed([-1])])
+    engine.send([{"type": "AllBlocksCleared"}])
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    rows = json_lines(out)
+    assert [r["type"] for r in rows] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    first = rows[0]
+    for key in ("type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                "lora_id", "lora_name", "medium", "ts", "seq", "source", "worker_id",
+                "dp_rank", "format"):
+        assert key in first
+    assert first["block_hashes"] == [1, 2**63 + 5]
+    assert first["extra_keys"] == [["img", 0]]  # unknown-to-us fields pass through by name
+    assert rows[1]["block_hashes"] == [2**64 - 1]  # signed -1 shown as unsigned 64-bit
+    assert (rows[2]["seq"], rows[2]["source"], rows[2]["format"]) == (1, engine.endpoint,
+                                                                      "engine-map")
+    assert "3 events" in err and "stopped by --count" in err
+
+
+@pytest.mark.parametrize("style,expected", [("signed", -1), ("hex", "ffffffffffffffff")])
+def test_hash_format_option(engine, style, expected):
+    proc = start_kvctl("tap", engine.endpoint, "--json", "-c", "1", "--hash-format", style)
+    engine.wait_for()
+    engine.send([removed([2**64 - 1])])
+    rc, out, _ = finish(proc)
+    assert json_lines(out)[0]["block_hashes"] == [expected]
+
+
+def test_pretty_output_is_readable(engine):
+    proc = start_kvctl("tap", engine.endpoint, "-c", "2")
+    engine.wait_for()
+    engine.send([stored([10, 11, 12, 13, 14], parent=9), removed([10])])
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert engine.endpoint in lines[0] and "seq=0" in lines[0] and "2 events" in lines[0]
+    assert "BlockStored" in lines[1] and "5 blocks" in lines[1] and "+2" in lines[1]
+    assert "tokens=20 (4/block)" in lines[1] and "parent=9" in lines[1]
+    assert "BlockRemoved" in lines[2] and "1 block " in lines[2]
+    assert not out.lstrip().startswith("{")
+
+
+def test_several_labelled_sources_each_tracked(endpoint):
+    a, b = Engine(endpoint), Engine(f"tcp://127.0.0.1:{free_port()}")
+    try:
+        proc = start_kvctl("tap", f"0={a.endpoint}", f"w1:3={b.endpoint}", "--json", "-c", "4")
+        a.wait_for()
+        b.wait_for()
+        a.send([removed([1])], dp_rank=None)
+        b.send([removed([2])], dp_rank=None)
+        a.send([removed([3])], dp_rank=None)
+        b.send([removed([4])], seq=5, dp_rank=None)  # a gap on b only
+        rc, out, err = finish(proc)
+    finally:
+        a.close()
+        b.close()
+    rows = json_lines(out)
+    by_hash = {r["block_hashes"][0]: (r["worker_id"], r["dp_rank"]) for r in rows}
+    assert by_hash == {1: (0, None), 2: ("w1", 3), 3: (0, None), 4: ("w1", 3)}
+    assert "gaps 1 (4 batches missing" in err and b.endpoint in err
+
+
+def test_filters_by_type_and_worker(endpoint):
+    a, b = Engine(endpoint), Engine(f"tcp://127.0.0.1:{free_port()}")
+    try:
+        proc = start_kvctl("tap", f"0={a.endpoint}", f"1={b.endpoint}", "--json",
+                           "--type", "BlockRemoved", "--worker", "1", "-c", "2")
+        a.wait_for()
+        b.wait_for()
+        for i in range(3):
+            a.send([stored([i]), removed([i])])
+            b.send([stored([100 + i]), removed([100 + i])])
+        rc, out, err = finish(proc)
+    finally:
+        a.close()
+        b.close()
+    rows = json_lines(out)
+    assert [(r["type"], r["worker_id"], r["block_hashes"]) for r in rows] == [
+        ("BlockRemoved", 1, [100]), ("BlockRemoved", 1, [101])]
+
+
+@pytest.mark.parametrize("mode", [[], ["--json"]])
+def test_count_cuts_inside_a_batch(engine, mode):
+    proc = start_kvctl("tap", engine.endpoint, "-c", "2", *mode)
+    engine.wait_for()
+    engine.send([removed([1]), removed([2]), removed([3])])
+    rc, out, err = finish(proc)
+    assert rc == 0 and "2 events" in err
+    if mode:
+        assert len(json_lines(out)) == 2
+
+
+@pytest.mark.parametrize("mode", [[], ["--json"]])
+def test_duration_stops_even_while_events_flow(engine, mode):
+    proc = start_kvctl("tap", engine.endpoint, "--duration", "1.5", *mode)
+    engine.wait_for()
+    started = time.monotonic()
+    while proc.poll() is None and time.monotonic() - started < 15:
+        engine.send([removed([1])])
+        time.sleep(0.01)
+    rc, out, err = finish(proc)
+    assert rc == 0 and "stopped by --duration" in err
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("mode", [[], ["--json"]])
+def test_idle_timeout_stops_a_silent_stream(engine, mode):
+    proc = start_kvctl("tap", engine.endpoint, "--idle-timeout", "0.5", *mode)
+    engine.wait_for()
+    engine.send([removed([1])])
+    rc, out, err = finish(proc)
+    assert rc == 0 and "stopped by --idle-timeout" in err and "1 events" in err
+
+
+def test_sequence_anomalies_are_counted_and_shown(engine):
+    proc = start_kvctl("tap", engine.endpoint, "--json", "--idle-timeout", "1")
+    engine.wait_for()
+    for seq in (0, 1, 4, 4, 2, 0):
+        engine.send([removed([seq])], seq=seq)
+    rc, out, err = finish(proc)
+    assert rc == 0
+    assert "gap from" in err and "seq 2..3 missing (2 batches, not recovered)" in err
+    assert "duplicate from" in err and "reorder from" in err
+    assert "gaps 1 (2 batches missing, 0 recovered), duplicates 1, reorders 1" in err
+    assert len(json_lines(out)) == 6  # anomalies are shown, not dropped
+
+
+@pytest.mark.parametrize("with_topic", [True, False])
+def test_gap_recovered_from_replay_socket(engine, with_topic):
+    replay = ReplayServer(f"tcp://127.0.0.1:{free_port()}", with_topic=with_topic)
+    try:
+        proc = start_kvctl("tap", engine.endpoint, "--replay-endpoint", replay.endpoint,
+                           "--json", "-c", "5")
+        engine.wait_for()
+        for seq in range(5):
+            frames = engine.batch([removed([seq])], seq=seq)
+            replay.remember(seq, frames[0], frames[2])
+            if seq not in (2, 3):  # the engine "drops" 2 and 3 on the live socket
+                engine.send_raw(frames)
+        deadline = time.monotonic() + 15
+        while proc.poll() is None and time.monotonic() < deadline:
+            replay.serve_pending()
+            time.sleep(0.01)
+        rc, out, err = finish(proc)
+    finally:
+        replay.close()
+    assert rc == 0, err
+    rows = json_lines(out)
+    assert [r["block_hashes"][0] for r in rows] == [0, 1, 2, 3, 4]  # in order
+    assert [r.get("recovered", False) for r in rows] == [False, False, True, True, False]
+    assert "2 recovered" in err
+
+
+def test_bad_input_is_counted_shown_and_never_fatal(engine):
+    proc = start_kvctl("tap", engine.endpoint, "--json", "--idle-timeout", "1")
+    engine.wait_for()
+    engine.send_raw([b"", (0).to_bytes(8, "big"), b"\xde\xad\xbe\xef"])
+    engine.send_raw([b"only-one-frame"])
+    engine.send_raw([b"", b"", b"", b"", b""])
+    engine.send_raw([b"", (1).to_bytes(8, "big"), b"\xdd\xff\xff\xff\xff"])  # huge array
+    engine.send([removed([7])], seq=2)
+    rc, out, err = finish(proc)
+    assert rc == 0
+    assert err.count("malformed message from") == 4
+    assert "de ad be ef" in err  # hex preview
+    assert "malformed 4" in err
+    assert [r["block_hashes"] for r in json_lines(out)] == [[7]]
+
+
+def test_strict_exits_1_on_malformed(engine):
+    proc = start_kvctl("tap", engine.endpoint, "--strict", "--idle-timeout", "5")
+    engine.wait_for()
+    engine.send_raw([b"", (0).to_bytes(8, "big"), b"\xc1"])
+    rc, out, err = finish(proc)
+    assert rc == 1 and "malformed" in err and "Traceback" not in err
+
+
+def test_interrupt_prints_summary_and_exits_130(engine):
+    proc = start_kvctl("tap", engine.endpoint, "--json")
+    engine.wait_for()
+    engine.send([removed([1])])
+    deadline = time.monotonic() + 10
+    line = proc.stdout.readline()  # the event reached tap: it is running its loop
+    assert line and time.monotonic() < deadline
+    interrupt(proc)
+    rc, out, err = finish(proc)
+    assert rc == 130 and "1 events" in err and "Traceback" not in err
+
+
+def test_dead_endpoint_is_a_clear_error():
+    port = free_port()
+    result = run_kvctl("tap", f"tcp://127.0.0.1:{port}", "--connect-timeout", "0.5")
+    err = result.stderr.decode()
+    assert result.returncode == 1
+    assert err.startswith(f"kvctl: tcp://127.0.0.1:{port}: connection refused") and \
+        "Traceback" not in err
+
+
+@pytest.mark.parametrize("args", [
+    ["tap"], ["tap", "foo://bar"], ["tap", "tcp://127.0.0.1:1", "-c", "0"],
+    ["tap", "tcp://127.0.0.1:1", "--type", "Nope"], ["tap", "tcp://nohost"],
+    ["tap", "=tcp://127.0.0.1:1"], ["tap", "0:x=tcp://127.0.0.1:1"],
+])
+def test_usage_errors_exit_2(args):
+    result = run_kvctl(*args)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr.decode()
+
+
+def test_options_from_environment(engine):
+    proc = start_kvctl("tap", engine.endpoint, "--json", env={"KVCTL_TAP_COUNT": "1"})
+    engine.wait_for()
+    engine.send([removed([1]), removed([2])])
+    rc, out, err = finish(proc)
+    assert rc == 0 and len(json_lines(out)) == 1
