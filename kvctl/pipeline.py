@@ -3,6 +3,7 @@ stop conditions -> a sink. Commands only wire these pieces together."""
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ from .events import Batch, Event
 from .formats import decode_nats, decode_zmq
 
 DRAIN_LIMIT = 512  # messages taken from one socket before the others get their turn
+_event_type = operator.itemgetter("type")  # counting by type in C, not per-event Python
 
 
 @dataclass
@@ -359,8 +361,7 @@ def run(
                 remaining = 0
             elif remaining is not None:
                 remaining -= len(events)
-            for e in events:
-                summary.events[e.get("type")] += 1
+            summary.events.update(map(_event_type, events))
             sink.write(item, events)
             if remaining == 0:
                 summary.stopped_by = "--count"

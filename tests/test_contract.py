@@ -1,0 +1,77 @@
+"""Every command keeps the conventions: documented, an Example in its help, --json, usage
+errors exit 2; the README documents every command; codecs stay pure."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvctl.cli import cli
+
+REPO = Path(__file__).resolve().parent.parent
+COMMANDS = cli.list_commands(None)  # type: ignore[arg-type]
+
+
+def test_commands_exist():
+    assert "tap" in COMMANDS
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_help_has_an_example_and_json(name):
+    result = CliRunner().invoke(cli, [name, "--help"])
+    assert result.exit_code == 0
+    assert "Example:" in result.output, f"`kvctl {name} --help` has no Example: block"
+    assert "--json" in result.output, f"`kvctl {name}` has no --json"
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_readme_documents_every_command(name):
+    readme = (REPO / "README.md").read_text()
+    assert re.search(rf"^### `kvctl {name}\b", readme, re.M), f"README lacks `kvctl {name}`"
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_unknown_option_is_a_usage_error(name):
+    result = subprocess.run([sys.executable, "-m", "kvctl", name, "--no-such-option"],
+                            capture_output=True, timeout=30)
+    assert result.returncode == 2 and b"Traceback" not in result.stderr
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    code = ("import sys, kvctl.cli as c; from click.testing import CliRunner; "
+            "CliRunner().invoke(c.cli, ['--help']); "
+            "print(sorted(m for m in ('pyarrow', 'nats', 'rich', 'zmq', 'matplotlib') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30,
+                         check=True).stdout.decode()
+    assert out.strip() == "[]"
+
+
+FORBIDDEN_IN_CODECS = {"zmq", "nats", "click", "rich", "socket", "asyncio", "threading", "time",
+                       "os", "pathlib", "io"}
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "kvctl" / "formats").glob("*.py"))
+                         + sorted((REPO / "kvctl" / "engine").glob("*.py")),
+                         ids=lambda p: p.name)
+def test_codecs_and_engine_are_pure(path):
+    tree = ast.parse(path.read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            imported.add(node.module.split(".")[0])
+    assert not imported & FORBIDDEN_IN_CODECS, path.name
+
+
+def test_exit_codes_are_documented():
+    readme = (REPO / "README.md").read_text()
+    for code in ("0", "1", "2", "3", "130"):
+        assert re.search(rf"^\| `?{code}`? \|", readme, re.M), f"exit code {code} not in README"
