@@ -153,3 +153,24 @@ def engine(endpoint):
     e = Engine(endpoint)
     yield e
     e.close()
+
+
+def free_port_range(count: int) -> int:
+    """A base port with ``count`` consecutive free ports (simulate binds base + i)."""
+    for _ in range(50):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for i in range(count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")

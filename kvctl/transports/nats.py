@@ -230,3 +230,106 @@ async def publish(
             await nc.flush()
     finally:
         await nc.close()
+
+
+class Publisher:
+    """A NATS publisher usable from synchronous code: messages are queued from the caller's
+    thread and published, in order, by a client running in a background event loop."""
+
+    def __init__(self, server: str, options: NatsOptions | None = None) -> None:
+        if not server.startswith(("nats://", "tls://")):
+            raise UsageError(f"{server}: not a NATS URL (nats://HOST:PORT)")
+        self.server = server
+        self.options = options or NatsOptions()
+        self._queue: list[tuple[str, bytes, bool]] = []
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._error: str | None = None
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self._streams: set[str] = set()
+        self.published = 0
+        self._thread = threading.Thread(target=self._run, name="kvctl-nats-pub", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(self.options.connect_timeout + 5) or self._error:
+            raise TransportError(self._error or f"{server}: no answer from the NATS server")
+
+    def ensure_stream(self, name: str, subjects: list[str]) -> None:
+        """Create (or extend) a JetStream stream, as Dynamo 0.6-0.9 did for its KV events."""
+        future = asyncio.run_coroutine_threadsafe(self._ensure_stream(name, subjects), self._loop)
+        future.result(timeout=self.options.connect_timeout + 5)
+        self._raise_if_failed()
+
+    async def _ensure_stream(self, name: str, subjects: list[str]) -> None:
+        js = self._nc.jetstream()
+        try:
+            await js.add_stream(name=name, subjects=subjects)
+        except Exception:
+            info = await js.stream_info(name)
+            merged = sorted(set(info.config.subjects or ()) | set(subjects))
+            await js.update_stream(name=name, subjects=merged)
+        self._streams.add(name)
+
+    def publish(self, subject: str, data: bytes, jetstream: bool = False) -> None:
+        self._raise_if_failed()
+        with self._lock:
+            self._queue.append((subject, data, jetstream))
+            wake = len(self._queue) == 1
+        if wake:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def backlog(self) -> int:
+        return len(self._queue)
+
+    def _raise_if_failed(self) -> None:
+        if self._error:
+            raise TransportError(self._error)
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except Exception as exc:
+            self._error = self._error or f"{self.server}: {type(exc).__name__}: {exc}"
+        finally:
+            self._ready.set()
+            self._done.set()
+            loop.close()
+
+    async def _main(self) -> None:
+        import nats
+
+        self._wake = asyncio.Event()
+        try:
+            self._nc = await nats.connect(servers=[self.server], **self.options.connect_kwargs())
+        except Exception as exc:
+            self._error = f"{self.server}: cannot connect to NATS: {str(exc) or type(exc).__name__}"
+            return
+        js = self._nc.jetstream()
+        self._ready.set()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                batch, self._queue = self._queue, []
+            for subject, data, jetstream in batch:
+                if jetstream:
+                    await js.publish(subject, data)
+                else:
+                    await self._nc.publish(subject, data)
+                self.published += 1
+            if self._closing and not self._queue:
+                break
+        await self._nc.flush(timeout=10)
+        await self._nc.close()
+
+    def close(self) -> None:
+        """Publish everything queued, flush, disconnect."""
+        if self._loop is not None and not self._done.is_set():
+            self._closing = True
+            self._loop.call_soon_threadsafe(self._wake.set)
+            self._done.wait(30)
+        self._raise_if_failed()

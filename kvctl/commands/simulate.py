@@ -1,0 +1,217 @@
+"""kvctl simulate: a synthetic engine fleet publishing realistic KV store/evict traffic."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from ..options import output_options
+
+
+@click.command("simulate")
+@click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Simulated engines (one PUB socket each).")
+@click.option("--num-blocks", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="KV cache capacity of each worker, in blocks.")
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Tokens per block.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048,
+              show_default=True, help="Scheduler token budget per step (chunked prefill).")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Request arrivals per second over the fleet (Poisson).")
+@click.option("--prefixes", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Shared system prompts (Zipf popularity).")
+@click.option("--router", type=click.Choice(["kv", "prefix", "random", "round-robin"]),
+              default="kv", show_default=True, help="How requests are spread over workers.")
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False),
+              help="Mooncake-style JSONL trace to replay instead of the synthetic workload.")
+@click.option("--requests", type=click.IntRange(min=1), metavar="N",
+              help="Stop issuing requests after N (the fleet then drains).")
+@click.option("--duration", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="Stop after this much simulated time (wall time at --speedup 1).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Same seed (and --epoch) => byte-identical streams.")
+@click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True, help="Run simulated time this many times faster than real time.")
+@click.option("--topspeed", is_flag=True, help="Publish as fast as possible (no pacing).")
+@click.option("--epoch", type=float, metavar="UNIX_SECONDS",
+              help="Engine timestamp of simulated time 0 (default: now).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface the PUB sockets bind (0.0.0.0 exposes them).")
+@click.option("--base-port", type=click.IntRange(1, 65535), default=5557, show_default=True,
+              help="Worker i publishes on base-port + i (like vLLM's DP ranks).")
+@click.option("--replay-base-port", type=click.IntRange(1, 65535),
+              help="Also serve a replay ROUTER per worker on replay-base-port + i.")
+@click.option("--format", "encoding", type=click.Choice(["vllm", "vllm-array", "sglang", "seed",
+                                                         "dynamo", "dynamo-json"]),
+              help="Wire format: vllm (default on ZMQ), vllm-array, sglang, seed; dynamo "
+                   "(default on NATS) or dynamo-json.")
+@click.option("--to", metavar="URL",
+              help="Publish to NATS as Dynamo does (nats://HOST:PORT) instead of ZMQ sockets.")
+@click.option("--namespace", default="dynamo", show_default=True, help="Dynamo namespace (NATS).")
+@click.option("--component", default="backend", show_default=True,
+              help="Dynamo component (NATS).")
+@click.option("--endpoint", "dynamo_endpoint", default="generate", show_default=True,
+              help="Dynamo endpoint (NATS).")
+@click.option("--wait-subscribers", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Hold the first batch until N subscribers joined each worker's socket.")
+@click.option("--start-delay", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
+              help="Wait this long after binding before publishing.")
+@output_options
+def command(**params: Any) -> None:
+    """Run a synthetic engine fleet that publishes realistic KV-cache events.
+
+    Each worker is a paged KV cache with prefix caching and LRU eviction fed by a workload of
+    shared system prompts and multi-turn sessions (or a Mooncake trace); every full block is
+    published as BlockStored, every eviction as BlockRemoved, one batch per scheduler step.
+    Runs until --duration, --requests or Ctrl-C; prints a summary (hit rate per worker).
+
+    \b
+    Example:
+      kvctl simulate --workers 8                       # PUB on 127.0.0.1:5557..5564
+      kvctl tap tcp://127.0.0.1:5557 tcp://127.0.0.1:5558
+      kvctl simulate --workers 2 --wait-subscribers 1 --requests 50 --router random
+      kvctl simulate --to nats://127.0.0.1:4222 --duration 60
+      kvctl simulate --trace conversation_trace.jsonl --num-blocks 65536 --speedup 10
+    """
+    from ..engine import Fleet
+    from ..events import Batch
+    from ..output import StderrDiagnostics, dumps
+    from ..pipeline import Schedule
+    from ..session import Interrupted
+    from ..targets import open_target
+
+    diagnostics = StderrDiagnostics(quiet=params["quiet"])
+    fleet = Fleet(workers=params["workers"], num_blocks=params["num_blocks"],
+                  block_size=params["block_size"],
+                  max_num_batched_tokens=params["max_num_batched_tokens"], rate=params["rate"],
+                  prefixes=params["prefixes"], router=params["router"], trace=params["trace"],
+                  requests=params["requests"], duration=params["duration"], seed=params["seed"],
+                  speedup=1.0)
+    to = params["to"] or f"tcp://{params['host']}:{params['base_port']}"
+    target = open_target(to, params["encoding"], per_worker=True,
+                         replay_port=params["replay_base_port"], namespace=params["namespace"],
+                         component=params["component"], endpoint=params["dynamo_endpoint"])
+    counts = {"batches": 0, "events": 0, "bytes": 0}
+    display = None
+    try:
+        if hasattr(target, "open_slots"):
+            endpoints = target.open_slots(params["workers"])
+            diagnostics.say(f"kvctl: {params['workers']} workers publishing on "
+                            f"{endpoints[0]} .. {endpoints[-1]}", "dim")
+        else:
+            diagnostics.say(f"kvctl: {params['workers']} workers publishing to {to} "
+                            f"({target.subject})", "dim")
+        if params["wait_subscribers"]:
+            diagnostics.say(f"kvctl: waiting for {params['wait_subscribers']} subscriber(s) "
+                            "on every worker", "dim")
+            while not target.wait_subscribers(params["wait_subscribers"], 0.2):
+                pass
+        if params["start_delay"]:
+            time.sleep(params["start_delay"])
+        epoch = params["epoch"] if params["epoch"] is not None else time.time()
+        schedule = Schedule(None if params["topspeed"] else params["speedup"])
+        display = _live_display(fleet, params, counts)
+        for t, worker, events in fleet.run():
+            schedule.wait(t)
+            batch = Batch(source=f"worker-{worker}", events=events, format="engine-map",
+                          ts=epoch + t, worker_id=worker, dp_rank=0)
+            counts["bytes"] += target.write(batch, events, slot=worker)
+            counts["batches"] += 1
+            counts["events"] += len(events)
+            target.service()
+            if display is not None:
+                display.tick()
+    except KeyboardInterrupt:
+        raise Interrupted(_summary_line(fleet, counts)) from None
+    finally:
+        if display is not None:
+            display.stop()
+        target.close()
+    result = {**fleet.stats(), **counts}
+    if params["as_json"]:
+        click.echo(dumps(result))
+    else:
+        _print_summary(fleet, counts, diagnostics)
+
+
+def _summary_line(fleet: Any, counts: dict[str, int]) -> str:
+    total = fleet.stats()["total"]
+    return (f"{counts['batches']} batches, {counts['events']} events "
+            f"({total['stored_blocks']} blocks stored, {total['removed_blocks']} evicted) in "
+            f"{fleet.now:.1f} simulated s; prefix-cache hit rate {total['hit_rate']:.1%}")
+
+
+def _worker_table(fleet: Any, title: str, rates: list[tuple[float, float]] | None = None) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for name in ("worker", "running", "waiting", "blocks in use", "cached/total", "hit rate",
+                 "stored", "evicted"):
+        table.add_column(name, justify="right")
+    if rates is not None:
+        table.add_column("stores/s", justify="right")
+        table.add_column("evictions/s", justify="right")
+    stats = fleet.stats()
+    for i, s in enumerate(stats["workers"]):
+        row = [str(i), str(s["running"]), str(s["waiting"]), str(s["blocks_used"]),
+               f"{s['blocks_cached']}/{s['blocks_total']}", f"{s['hit_rate']:.1%}",
+               str(s["stored_blocks"]), str(s["removed_blocks"])]
+        if rates is not None:
+            row += [f"{rates[i][0]:.0f}", f"{rates[i][1]:.0f}"]
+        table.add_row(*row)
+    t = stats["total"]
+    table.add_row("all", str(t["running"]), str(t["waiting"]), str(t["blocks_used"]),
+                  f"{t['blocks_cached']}/{t['blocks_total']}", f"{t['hit_rate']:.1%}",
+                  str(t["stored_blocks"]), str(t["removed_blocks"]), style="bold")
+    return table
+
+
+def _print_summary(fleet: Any, counts: dict[str, int], diagnostics: Any) -> None:
+    if diagnostics.quiet:
+        return
+    diagnostics.console.print(_worker_table(fleet, "kvctl simulate: final state"))
+    diagnostics.say("kvctl: " + _summary_line(fleet, counts), "dim")
+
+
+class _LiveTable:
+    """A per-worker table on stderr, refreshed about once a second while publishing."""
+
+    def __init__(self, fleet: Any, console: Any, counts: dict[str, int]) -> None:
+        from rich.live import Live
+
+        self.fleet = fleet
+        self.counts = counts
+        self.last = time.monotonic()
+        self.prev = [(0, 0)] * len(fleet.workers)
+        self.live = Live(_worker_table(fleet, "kvctl simulate"), console=console,
+                         auto_refresh=False, transient=True)
+        self.live.start()
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now - self.last < 1.0:
+            return
+        stats = self.fleet.stats()["workers"]
+        current = [(s["stored_blocks"], s["removed_blocks"]) for s in stats]
+        dt = now - self.last
+        rates = [((c[0] - p[0]) / dt, (c[1] - p[1]) / dt)
+                 for c, p in zip(current, self.prev, strict=True)]
+        self.prev, self.last = current, now
+        title = (f"kvctl simulate · {self.fleet.now:.1f} s simulated · "
+                 f"{self.counts['batches']} batches · {self.counts['events']} events")
+        self.live.update(_worker_table(self.fleet, title, rates), refresh=True)
+
+    def stop(self) -> None:
+        self.live.stop()
+
+
+def _live_display(fleet: Any, params: dict[str, Any], counts: dict[str, int]) -> Any:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if params["quiet"] or not console.is_terminal:
+        return None
+    return _LiveTable(fleet, console, counts)

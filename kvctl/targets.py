@@ -1,0 +1,233 @@
+"""Where replay, bridge and simulate send batches: engine-style ZMQ publishers or Dynamo on
+NATS, in any producer's format. Encoding happens here, through the pure codecs; the transports
+only move the bytes."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from .errors import UsageError
+from .events import Batch, Event
+from .formats import dynamo, engine_zmq
+
+ZMQ_FORMATS = ("raw", *engine_zmq.ENGINE_ENCODINGS)
+NATS_FORMATS = ("dynamo", "dynamo-json")
+
+
+def subject_token(name: str) -> str:
+    """Dynamo percent-encodes subject segments outside [A-Za-z0-9_-]."""
+    return re.sub(r"[^A-Za-z0-9_-]", lambda m: "".join(f"%{b:02X}" for b in
+                                                          m.group().encode()), name)
+
+
+def dynamo_subjects(namespace: str, component: str, endpoint: str) -> dict[str, str]:
+    ns, comp, ep = map(subject_token, (namespace, component, endpoint))
+    stream = f"namespace-{ns}-component-{comp}-kv-events".replace("_", "-")
+    return {
+        "dynamo": f"namespace.{ns}.component.{comp}.endpoint.{ep}.kv-events",  # >= 1.2
+        "dynamo-json": f"{stream}.kv-events",  # 0.7-0.9 JetStream
+        "stream": stream,
+    }
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int | None]:
+    """``tcp://HOST:PORT`` -> (``tcp://HOST``, PORT); other transports have no port."""
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint.rpartition(":")
+        if sep and port.isdigit() and "//" in host:
+            return host, int(port)
+        raise UsageError(f"{endpoint}: expected tcp://HOST:PORT")
+    return endpoint, None
+
+
+class ZmqTarget:
+    """Engine-style PUB sockets that bind: one socket, or one per worker on consecutive ports
+    (``port + i``, as vLLM does per DP rank). Each socket has its own seq from 0 unless
+    ``keep_seq``; an optional replay ROUTER per socket on ``replay_port + i``."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        encoding: str = "vllm",
+        per_worker: bool = False,
+        keep_seq: bool = False,
+        replay_port: int | None = None,
+        array_layout: str = engine_zmq.DEFAULT_ARRAY_LAYOUT,
+        buffer_steps: int = 10_000,
+    ) -> None:
+        if encoding not in ZMQ_FORMATS:
+            raise UsageError(f"--format {encoding} is not a ZMQ format: {', '.join(ZMQ_FORMATS)}")
+        self.base, self.port = split_endpoint(endpoint)
+        if per_worker and self.port is None:
+            raise UsageError("one socket per worker needs a tcp://HOST:PORT endpoint")
+        self.endpoint = endpoint
+        self.encoding = encoding
+        self.per_worker = per_worker
+        self.keep_seq = keep_seq
+        self.replay_port = replay_port
+        self.array_layout = array_layout
+        self.buffer_steps = buffer_steps
+        self.slots: dict[Any, int] = {}
+        self.sockets: list[Any] = []
+        self.seqs: list[int] = []
+        self.replays: list[Any] = []
+        self.bytes_sent = 0
+
+    def open_slots(self, count: int) -> list[str]:
+        """Bind ``count`` sockets now (simulate knows its workers up front)."""
+        return [self._socket(i).endpoint for i in range(count)]
+
+    def _socket(self, slot: int) -> Any:
+        from .transports.zmq import Publisher, ReplayServer
+
+        while len(self.sockets) <= slot:
+            i = len(self.sockets)
+            endpoint = self.endpoint if self.port is None else f"{self.base}:{self.port + i}"
+            self.sockets.append(Publisher(endpoint))
+            self.seqs.append(0)
+            if self.replay_port is not None:
+                host = self.base if self.port is not None else "tcp://127.0.0.1"
+                self.replays.append(ReplayServer(f"{host}:{self.replay_port + i}",
+                                                 self.buffer_steps))
+        return self.sockets[slot]
+
+    def slot_for(self, batch: Batch) -> int:
+        if not self.per_worker:
+            return 0
+        key = (batch.worker_id, batch.dp_rank) if batch.worker_id is not None else batch.source
+        slot = self.slots.get(key)
+        if slot is None:
+            slot = self.slots[key] = len(self.slots)
+        return slot
+
+    def frames(self, batch: Batch, events: list[Event], slot: int) -> list[bytes]:
+        seq = batch.seq if self.keep_seq and batch.seq is not None else self.seqs[slot]
+        self.seqs[slot] = seq + 1
+        topic = batch.topic.encode() if batch.topic and batch.format.startswith("engine") else b""
+        if self.encoding == "raw":
+            if len(batch.frames) == 3 and batch.format.startswith("engine"):
+                return [batch.frames[0], seq.to_bytes(8, "big"), batch.frames[2]]
+            if len(batch.frames) == 1 and batch.format.startswith("engine"):  # relayed on NATS
+                return [topic, seq.to_bytes(8, "big"), batch.frames[0]]
+            raise UsageError(f"--format raw needs engine batches; this source is {batch.format}"
+                             " (choose --format vllm, vllm-array, sglang or seed)")
+        ts = batch.ts if batch.ts is not None else time.time()
+        payload = engine_zmq.encode_payload(events, ts, batch.dp_rank, self.encoding,
+                                            self.array_layout)
+        return [topic, seq.to_bytes(8, "big"), payload]
+
+    def write(self, batch: Batch, events: list[Event], slot: int | None = None) -> int:
+        slot = self.slot_for(batch) if slot is None else slot
+        sock = self._socket(slot)
+        frames = self.frames(batch, events, slot)
+        sock.send(frames)
+        if self.replays:
+            self.replays[slot].remember(int.from_bytes(frames[1], "big"), frames[0], frames[2])
+        size = len(frames[0]) + 8 + len(frames[2])
+        self.bytes_sent += size
+        return size
+
+    def wait_subscribers(self, count: int, timeout: float) -> bool:
+        return all(s.wait_subscribers(count, timeout) for s in self.sockets)
+
+    def service(self) -> None:
+        """Answer pending replay requests (call between sends)."""
+        for replay in self.replays:
+            replay.serve_pending()
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close()
+        for r in self.replays:
+            r.close()
+
+
+class NatsTarget:
+    """Dynamo on NATS: the >= 1.2 msgpack envelope on the core endpoint subject (``dynamo``), or
+    0.7-0.9 JSON RouterEvents on the JetStream subject, stream created if needed
+    (``dynamo-json``). Worker ids come from the batch (an int label) or are assigned per
+    source in order of appearance."""
+
+    def __init__(
+        self,
+        url: str,
+        encoding: str = "dynamo",
+        namespace: str = "dynamo",
+        component: str = "backend",
+        endpoint: str = "generate",
+        subject: str | None = None,
+        options: Any = None,
+    ) -> None:
+        from .transports.nats import Publisher
+
+        if encoding not in NATS_FORMATS:
+            raise UsageError(f"--format {encoding} is not a NATS format: {', '.join(NATS_FORMATS)}")
+        scheme, _, rest = url.partition("://")
+        host, _, url_subject = rest.partition("/")
+        subjects = dynamo_subjects(namespace, component, endpoint)
+        self.subject = subject or url_subject or subjects[encoding]
+        self.encoding = encoding
+        self.publisher = Publisher(f"{scheme}://{host}", options)
+        self.jetstream = encoding == "dynamo-json"
+        if self.jetstream:
+            self.publisher.ensure_stream(subjects["stream"], [self.subject])
+        self.worker_ids: dict[Any, int] = {}
+        self.event_ids: dict[int, int] = {}
+        self.sequences: dict[int, int] = {}
+        self.bytes_sent = 0
+
+    def worker_for(self, batch: Batch) -> int:
+        wid = batch.worker_id
+        if isinstance(wid, int) and not isinstance(wid, bool) and wid >= 0:
+            return wid
+        if isinstance(wid, str) and wid.isdigit():
+            return int(wid)
+        key = wid if wid is not None else batch.source
+        return self.worker_ids.setdefault(key, len(self.worker_ids))
+
+    def write(self, batch: Batch, events: list[Event], slot: int | None = None) -> int:
+        worker = slot if slot is not None else self.worker_for(batch)
+        dp_rank = batch.dp_rank or 0
+        first_id = self.event_ids.get(worker, 0)
+        self.event_ids[worker] = first_id + len(events)
+        maps = [dynamo.router_event(e, worker, first_id + i, dp_rank)
+                for i, e in enumerate(events)]
+        size = 0
+        if self.encoding == "dynamo":
+            seq = self.sequences.get(worker, 0)
+            self.sequences[worker] = seq + 1
+            published = int((batch.ts if batch.ts is not None else time.time()) * 1000)
+            data = dynamo.encode_envelope(maps, worker, seq, published)
+            self.publisher.publish(self.subject, data)
+            size = len(data)
+        else:
+            for m in maps:
+                data = dynamo.encode_json(m)
+                self.publisher.publish(self.subject, data, jetstream=True)
+                size += len(data)
+        self.bytes_sent += size
+        return size
+
+    def wait_subscribers(self, count: int, timeout: float) -> bool:
+        return True  # NATS has no subscriber count for a publisher; JetStream keeps history
+
+    def service(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+def open_target(to: str, encoding: str | None, **kwargs: Any) -> ZmqTarget | NatsTarget:
+    """``--to`` URL -> a target; the format defaults to ``vllm`` for ZMQ, ``dynamo`` for NATS."""
+    if to.startswith(("nats://", "tls://")):
+        nats_keys = ("namespace", "component", "endpoint", "subject", "options")
+        return NatsTarget(to, encoding or "dynamo",
+                          **{k: v for k, v in kwargs.items() if k in nats_keys and v is not None})
+    if to.startswith(("tcp://", "ipc://", "inproc://")):
+        zmq_keys = ("per_worker", "keep_seq", "replay_port", "array_layout")
+        return ZmqTarget(to, encoding or "vllm",
+                         **{k: v for k, v in kwargs.items() if k in zmq_keys and v is not None})
+    raise UsageError(f"--to {to}: expected tcp://HOST:PORT, ipc://PATH or nats://HOST:PORT")

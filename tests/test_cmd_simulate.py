@@ -1,0 +1,101 @@
+"""kvctl simulate publishing on real sockets, consumed by a real kvctl tap."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from conftest import finish, free_port_range, run_kvctl, start_kvctl
+from test_tap_nats import wait_ready
+
+SIM = ["simulate", "--requests", "40", "--topspeed", "--num-blocks", "400", "--epoch", "1e9",
+       "--wait-subscribers", "1", "-q", "--json"]
+
+
+def tap_simulation(workers: int, *extra: str) -> tuple[list[dict], dict]:
+    base = free_port_range(workers)
+    endpoints = [f"tcp://127.0.0.1:{base + i}" for i in range(workers)]
+    sim = start_kvctl(*SIM, "--workers", str(workers), "--base-port", str(base), *extra)
+    tap = start_kvctl("tap", *endpoints, "--json", "--idle-timeout", "2", "--connect-timeout",
+                      "10")
+    rc_tap, out, err = finish(tap, timeout=60)
+    rc_sim, sim_out, sim_err = finish(sim, timeout=60)
+    assert rc_sim == 0 and rc_tap == 0, (sim_err, err)
+    return [json.loads(line) for line in out.splitlines()], json.loads(sim_out)
+
+
+def test_tap_consumes_all_eight_workers_and_sees_every_event():
+    rows, summary = tap_simulation(8)
+    sources = Counter(r["source"] for r in rows)
+    assert len(sources) == 8
+    published = summary["total"]["store_events"] + summary["total"]["remove_events"]
+    assert len(rows) == published == summary["events"]
+    stored_blocks = sum(len(r["block_hashes"]) for r in rows if r["type"] == "BlockStored")
+    assert stored_blocks == summary["total"]["stored_blocks"]
+    assert {r["worker_id"] for r in rows} == {None}  # unlabelled sources: worker is the source
+    assert all(r["format"] == "engine-map" and r["block_size"] in (16, None) for r in rows)
+
+
+def test_stream_is_self_consistent_per_worker():
+    rows, _ = tap_simulation(2)
+    for source in {r["source"] for r in rows}:
+        cached: set[int] = set()
+        for r in (r for r in rows if r["source"] == source):
+            if r["type"] == "BlockStored":
+                assert r["parent_block_hash"] is None or r["parent_block_hash"] in cached
+                assert len(r["token_ids"]) == r["block_size"] * len(r["block_hashes"])
+                cached.update(r["block_hashes"])
+            elif r["type"] == "BlockRemoved":
+                assert set(r["block_hashes"]) <= cached
+                cached.difference_update(r["block_hashes"])
+            assert len(cached) <= 400
+
+
+def test_same_seed_gives_identical_streams():
+    first, _ = tap_simulation(2, "--seed", "7")
+    second, _ = tap_simulation(2, "--seed", "7")
+    other, _ = tap_simulation(2, "--seed", "8")
+
+    def by_port_order(rows):
+        ports = sorted({r["source"] for r in rows})
+        return [[(r["seq"], r["ts"], r["type"], r["block_hashes"], r["token_ids"])
+                 for r in rows if r["source"] == p] for p in ports]
+
+    assert by_port_order(first) == by_port_order(second)
+    assert by_port_order(first) != by_port_order(other)
+
+
+@pytest.mark.parametrize("encoding,shape", [("vllm-array", "engine-array"),
+                                            ("sglang", "engine-map"), ("seed", "engine-map")])
+def test_engine_formats(encoding, shape):
+    rows, summary = tap_simulation(1, "--format", encoding)
+    assert rows and {r["format"] for r in rows} == {shape}
+    stored_blocks = sum(len(r["block_hashes"]) for r in rows if r["type"] == "BlockStored")
+    assert stored_blocks == summary["total"]["stored_blocks"]
+
+
+def test_nats_output_decodes_as_dynamo(nats_server):
+    tap = start_kvctl("tap", nats_server.url, "--json", "--idle-timeout", "2")
+    wait_ready(tap)
+    result = run_kvctl("simulate", "--to", nats_server.url, "--workers", "2", "--requests", "10",
+                       "--topspeed", "-q", "--json", "--namespace", "sim", timeout=60)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    rc, out, err = finish(tap, timeout=30)
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert {r["format"] for r in rows} == {"dynamo-msgpack"}
+    assert {r["worker_id"] for r in rows} == {0, 1}
+    assert {r["topic"] for r in rows} == {
+        "namespace.sim.component.backend.endpoint.generate.kv-events"}
+    assert len(rows) == summary["events"]
+    assert all(len(r["tokens_hashes"]) == len(r["block_hashes"]) for r in rows
+               if r["type"] == "BlockStored")
+
+
+@pytest.mark.parametrize("args", [["--to", "http://x"], ["--workers", "0"],
+                                  ["--format", "dynamo", "--requests", "1"]])
+def test_simulate_usage_errors(args):
+    result = run_kvctl("simulate", "--base-port", str(free_port_range(8)), *args)
+    assert result.returncode == 2, result.stderr
+    assert b"Traceback" not in result.stderr
