@@ -410,3 +410,28 @@ class Schedule:
         p99 = values[min(n - 1, int(n * 0.99))]
         return {"median_ms": values[n // 2] * 1e3, "p99_ms": p99 * 1e3,
                 "max_ms": values[-1] * 1e3, "late_over_1ms": sum(v > 0.001 for v in values)}
+
+
+class RecordingSource:
+    """Recordings (files, segment directories or journals) read back in recorded order."""
+
+    def __init__(self, paths: list[str]) -> None:
+        from pathlib import Path
+
+        for path in paths:
+            if not Path(path).exists():
+                raise UsageError(f"{path}: no such recording (sources are tcp://, ipc://, "
+                                 "nats:// or a recording path)")
+        self.paths = paths
+
+    def batches(self) -> Iterator[Batch | None]:
+        from .transports.files import open_recording
+
+        for path in self.paths:
+            try:
+                yield from open_recording(path)
+            except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
+                raise TransportError(f"{path}: cannot read recording: {exc}") from None
+
+    def close(self) -> None:
+        pass

@@ -7,7 +7,7 @@ from typing import Any
 
 from .errors import ExitCode, KvctlError, UsageError
 from .output import JsonLinesSink, PrettySink, StderrDiagnostics
-from .pipeline import Filters, Limits, LiveSource, SourceSpec, Summary, run
+from .pipeline import Filters, Limits, LiveSource, RecordingSource, SourceSpec, Summary, run
 
 
 class Interrupted(KvctlError):
@@ -20,8 +20,6 @@ def open_source(sources: tuple[str, ...] | list[str], **connection: Any) -> Any:
     if files and len(files) != len(specs):
         raise UsageError("recordings and live sources cannot be mixed in one command")
     if files:
-        from .recording import RecordingSource
-
         return RecordingSource([s.address for s in files])
     return LiveSource(specs, **connection)
 
@@ -38,13 +36,14 @@ def make_limits(params: dict[str, Any]) -> Limits:
                   idle_timeout=params.get("idle_timeout"))
 
 
-def stream(params: dict[str, Any], connection: dict[str, Any], on_batch: Any = None) -> Summary:
+def stream(params: dict[str, Any], connection: dict[str, Any] | None = None,
+           on_batch: Any = None) -> Summary:
     """tap/cat: print events from SOURCEs until a stop condition, then the summary."""
     diagnostics = StderrDiagnostics(quiet=params.get("quiet", False))
     hash_style = params.get("hash_format", "unsigned")
     sink = JsonLinesSink(hash_style=hash_style) if params.get("as_json") else \
         PrettySink(hash_style=hash_style)
-    source = open_source(params["sources"], **connection)
+    source = open_source(params["sources"], **(connection or {}))
     diagnostics.say(f"kvctl: reading {', '.join(params['sources'])}", "dim")
     summary = Summary()
     try:

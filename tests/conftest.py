@@ -55,6 +55,15 @@ def finish(proc: subprocess.Popen, timeout: float = 20) -> tuple[int, str, str]:
     return proc.returncode, out.decode(), err.decode()
 
 
+def read_line(stream, timeout: float = 15) -> str:
+    """One line from a child's pipe, or AssertionError after ``timeout`` (never hangs)."""
+    import select
+
+    ready, _, _ = select.select([stream], [], [], timeout)
+    assert ready, f"no output within {timeout}s"
+    return stream.readline().decode()
+
+
 def interrupt(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGINT)
 

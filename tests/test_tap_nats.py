@@ -7,13 +7,13 @@ import json
 
 import msgpack
 import nats
-from conftest import finish, free_port, run_kvctl, start_kvctl
+from conftest import finish, free_port, read_line, run_kvctl, start_kvctl
 
 from kvctl.formats.dynamo import encode_envelope, encode_json, router_event, tokens_hash
 
 
 def wait_ready(proc) -> None:
-    line = proc.stderr.readline().decode()
+    line = read_line(proc.stderr)
     assert line.startswith("kvctl: reading"), line
 
 

@@ -6,7 +6,17 @@ import json
 import time
 
 import pytest
-from conftest import Engine, finish, free_port, interrupt, removed, run_kvctl, start_kvctl, stored
+from conftest import (
+    Engine,
+    finish,
+    free_port,
+    interrupt,
+    read_line,
+    removed,
+    run_kvctl,
+    start_kvctl,
+    stored,
+)
 
 from kvctl.transports.zmq import ReplayServer
 
@@ -199,9 +209,7 @@ def test_interrupt_prints_summary_and_exits_130(engine):
     proc = start_kvctl("tap", engine.endpoint, "--json")
     engine.wait_for()
     engine.send([removed([1])])
-    deadline = time.monotonic() + 10
-    line = proc.stdout.readline()  # the event reached tap: it is running its loop
-    assert line and time.monotonic() < deadline
+    assert read_line(proc.stdout)  # the event reached tap: it is running its loop
     interrupt(proc)
     rc, out, err = finish(proc)
     assert rc == 130 and "1 events" in err and "Traceback" not in err

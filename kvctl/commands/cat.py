@@ -1,0 +1,27 @@
+"""kvctl cat: print a recording exactly as tap prints a live stream."""
+
+from __future__ import annotations
+
+import click
+
+from ..options import filter_options, limit_options, output_options
+from ..session import stream
+
+
+@click.command("cat")
+@click.argument("sources", nargs=-1, required=True, metavar="RECORDING...",
+                type=click.Path(exists=True))
+@filter_options
+@limit_options
+@output_options
+def command(**params: object) -> None:
+    """Print the events of recordings (files, segment directories or journals) in recorded
+    order, with tap's formatter, filters and stop conditions.
+
+    \b
+    Example:
+      kvctl cat run.parquet
+      kvctl cat run.parquet --json --type BlockRemoved | jq .block_hashes
+      kvctl cat segments/ -c 20 --worker 3
+    """
+    stream(params)

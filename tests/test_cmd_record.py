@@ -1,0 +1,183 @@
+"""kvctl record / cat / inspect / recover against real publishers and a real nats-server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import finish, read_line, removed, run_kvctl, start_kvctl, stored
+from test_tap_nats import publish
+
+from kvctl.formats.dynamo import encode_envelope, encode_json, router_event
+from kvctl.transports.files import open_recording, read_journal
+
+
+def rows_of(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def record_until(engine, path: Path, send, *extra: str) -> tuple[int, str, str]:
+    proc = start_kvctl("record", engine.endpoint, "-o", str(path), "--idle-timeout", "1.5",
+                       *extra)
+    engine.wait_for()
+    send()
+    return finish(proc, timeout=60)
+
+
+def test_record_then_cat_round_trips_every_engine_shape(engine, tmp_path):
+    path = tmp_path / "run.parquet"
+    h32 = bytes(range(32))
+
+    def send():
+        engine.send([stored([1, 2], extra_keys=[["img", 1]], group_idx=0), removed([-3])])
+        engine.encoding = "vllm-array"
+        engine.send([stored([5], parent=2)])
+        engine.encoding = "sglang"
+        engine.send([stored([7, 8], parent=5)])
+        engine.encoding = "vllm"
+        engine.send([{"type": "BlockStored", "block_hashes": [h32], "parent_block_hash": None,
+                      "token_ids": [[1, 2], [3, 4]], "block_size": 2, "lora_id": 3,
+                      "medium": "CPU", "lora_name": "ad"}, {"type": "AllBlocksCleared"}])
+        engine.send_raw([b"", (5).to_bytes(8, "big"), b"\xc1garbage"])
+        engine.send([removed([9])], seq=9)  # seq 5 was malformed, 6..8 never sent: a gap
+
+    rc, out, err = record_until(engine, path, send)
+    assert rc == 0, err
+    assert path.exists() and not Path(str(path) + ".journal").exists()
+    tapped = run_kvctl("cat", str(path), "--json")
+    assert tapped.returncode == 0, tapped.stderr
+    rows = rows_of(tapped.stdout.decode())
+    assert [r["type"] for r in rows] == ["BlockStored", "BlockRemoved", "BlockStored",
+                                         "BlockStored", "BlockStored", "BlockStored",
+                                         "AllBlocksCleared", "BlockRemoved"]
+    assert rows[0]["extra_keys"] == [["img", 1]] and rows[0]["group_idx"] == 0
+    assert rows[1]["block_hashes"] == [2**64 - 3]
+    assert rows[2]["format"] == "engine-array" and rows[2]["parent_block_hash"] == 2
+    assert [r["block_hashes"] for r in rows[3:5]] == [[7], [8]]  # SGLang: one page each
+    assert rows[5]["block_hashes"] == [h32.hex()] and rows[5]["token_ids"] == [[1, 2], [3, 4]]
+    assert "malformed message" in tapped.stderr.decode()  # cat shows what tap showed
+    # raw bytes: what the recorder received, exactly
+    recorded = [b for b in open_recording(path)]
+    sent = engine.sent
+    assert [b.frames for b in recorded if b.error is None] == sent
+    bad = [b for b in recorded if b.error is not None]
+    assert len(bad) == 1 and bad[0].frames[2] == b"\xc1garbage"
+    info = json.loads(run_kvctl("inspect", str(path), "--json").stdout)
+    # seqs 4..8 missing: 4 was never sent, the malformed 5 is not trusted, 6..8 never sent
+    assert (info["malformed"], info["gaps"], info["missing"]) == (1, 1, 5)
+    assert info["events"] == 8 and info["by_type"]["BlockStored"] == 5
+
+
+def test_tap_reads_a_recording_like_a_live_source(engine, tmp_path):
+    path = tmp_path / "r.parquet"
+    rc, _, err = record_until(engine, path, lambda: engine.send([removed([1]), removed([2])]))
+    assert rc == 0, err
+    result = run_kvctl("tap", str(path), "--json", "-c", "1")
+    assert result.returncode == 0
+    assert [r["block_hashes"] for r in rows_of(result.stdout.decode())] == [[1]]
+
+
+def test_record_nats_dynamo_formats(nats_server, tmp_path):
+    path = tmp_path / "dyn.parquet"
+    proc = start_kvctl("record", nats_server.url, "-o", str(path), "-c", "3")
+    wait_ready_record(proc)
+    ev = {"type": "BlockStored", "block_hashes": [2**64 - 1], "parent_block_hash": None,
+          "token_ids": [1, 2, 3, 4], "block_size": 4}
+    publish(nats_server.url, [
+        ("namespace.n.component.c.endpoint.e.kv-events",
+         encode_envelope([router_event(ev, 5, 0)], 5, 0, 1000)),
+        ("namespace-n-component-c-kv-events.kv-events",
+         encode_json(router_event({"type": "BlockRemoved", "block_hashes": [2**64 - 1]}, 5, 1))),
+        ("namespace.n.component.c.kv_events", encode_json(router_event(
+            {"type": "AllBlocksCleared"}, 6, 2)))])
+    rc, out, err = finish(proc, timeout=30)
+    assert rc == 0, err
+    rows = rows_of(run_kvctl("cat", str(path), "--json").stdout.decode())
+    assert [(r["type"], r["worker_id"], r["format"]) for r in rows] == [
+        ("BlockStored", 5, "dynamo-msgpack"), ("BlockRemoved", 5, "dynamo-json"),
+        ("AllBlocksCleared", 6, "dynamo-json")]
+    assert rows[0]["block_hashes"] == [2**64 - 1] and rows[0]["tokens_hashes"]
+
+
+def wait_ready_record(proc) -> None:
+    line = read_line(proc.stderr)
+    assert line.startswith("kvctl: recording"), line
+
+
+def test_kill_9_loses_at_most_the_last_second(engine, tmp_path):
+    path = tmp_path / "crash.parquet"
+    journal = Path(str(path) + ".journal")
+    proc = start_kvctl("record", engine.endpoint, "-o", str(path), "-q")
+    engine.wait_for()
+    for i in range(50):
+        engine.send([removed([i])])
+    deadline = time.monotonic() + 15
+    flushed = 0
+    while time.monotonic() < deadline and flushed < 50:  # the journal is the readiness signal
+        if journal.exists():
+            flushed = sum(rb.num_rows for rb in read_journal(journal))
+        time.sleep(0.1)
+    assert flushed == 50, "the recorder did not flush within its 1 s promise"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    assert not path.exists() and journal.exists()
+    result = run_kvctl("recover", str(path))
+    assert result.returncode == 0, result.stderr
+    rows = rows_of(run_kvctl("cat", str(path), "--json").stdout.decode())
+    assert [r["block_hashes"][0] for r in rows] == list(range(50))
+
+
+def test_sigterm_closes_the_recording_cleanly(engine, tmp_path):
+    path = tmp_path / "term.parquet"
+    proc = start_kvctl("record", engine.endpoint, "-o", str(path))
+    engine.wait_for()
+    engine.send([removed([1])])
+    wait_ready_record(proc)
+    proc.send_signal(signal.SIGTERM)
+    rc, out, err = finish(proc)
+    assert rc == 130 and path.exists(), err
+    assert "recorded" in err
+
+
+def test_rotation_writes_a_readable_dataset(engine, tmp_path):
+    import pyarrow.dataset as ds
+
+    path = tmp_path / "segments"
+
+    def send():
+        for i in range(400):
+            engine.send([stored([i, i + 10_000], block_size=16)])
+            if i % 100 == 99:
+                time.sleep(1.2)  # let a flush happen so that a size rotation can trigger
+
+    rc, out, err = record_until(engine, path, send, "--rotate-size", "4k")
+    assert rc == 0, err
+    parts = sorted(p.name for p in path.glob("part-*.parquet"))
+    assert len(parts) >= 2, parts
+    manifest = json.loads((path / "_manifest.json").read_text())
+    assert len(manifest["segments"]) == len(parts)
+    table = ds.dataset(path, format="parquet").to_table(columns=["type", "block_hashes"])
+    assert table.num_rows == 400
+    rows = rows_of(run_kvctl("cat", str(path), "--json").stdout.decode())
+    assert [r["block_hashes"][0] for r in rows] == list(range(400))
+
+
+@pytest.mark.parametrize("args", [["--rotate-size", "lots"], ["--rotate-every", "-1"]])
+def test_record_usage_errors(engine, tmp_path, args):
+    result = run_kvctl("record", engine.endpoint, "-o", str(tmp_path / "x.parquet"), *args)
+    assert result.returncode == 2 and b"Traceback" not in result.stderr
+
+
+def test_unreadable_recording_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet at all")
+    for cmd in (["cat", str(bad)], ["inspect", str(bad)]):
+        result = run_kvctl(*cmd)
+        assert result.returncode == 1, cmd
+        assert b"cannot read recording" in result.stderr and b"Traceback" not in result.stderr
+    missing = run_kvctl("recover", str(tmp_path / "none.parquet"))
+    assert missing.returncode == 1 and b"no journal" in missing.stderr

@@ -1,0 +1,381 @@
+"""Recording library layer: schema round trip, crash-safe writer, recover, rotation, readers."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvctl.events import Batch
+from kvctl.formats import decode_nats, decode_zmq, dynamo
+from kvctl.formats import engine_zmq as ez
+from kvctl.formats.parquet import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    Gap,
+    batches_to_record_batch,
+    record_batch_to_batches,
+)
+from kvctl.transports.files import (
+    MANIFEST_NAME,
+    RecordingWriter,
+    open_recording,
+    read_journal,
+    recording_info,
+    recover,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def canonical_events(rnd: random.Random, n: int = 6) -> list[dict]:
+    events = []
+    for _ in range(n):
+        k = rnd.randint(1, 4)
+        events.append({
+            "type": "BlockStored", "block_hashes": [rnd.getrandbits(64) for _ in range(k)],
+            "parent_block_hash": rnd.choice([None, rnd.getrandbits(64)]),
+            "token_ids": [rnd.randrange(150_000) for _ in range(16 * k)], "block_size": 16,
+            "lora_id": rnd.choice([None, 3]), "medium": "GPU",
+            "lora_name": rnd.choice([None, "ad"])})
+    events.append({"type": "BlockRemoved",
+                   "block_hashes": [rnd.getrandbits(64), rnd.getrandbits(64)]})
+    events.append({"type": "AllBlocksCleared"})
+    return events
+
+
+def all_format_batches(seed: int = 1) -> list[Batch]:
+    """One or more batches of every shape the decoders produce, incl. malformed ones."""
+    rnd = random.Random(seed)
+    evs = canonical_events(rnd)
+    out = []
+    for seq, enc in enumerate(ez.ENGINE_ENCODINGS):
+        payload = ez.encode_payload(evs, 1700000000.25 + seq, seq % 2, enc)
+        out.append(decode_zmq(ez.encode_frames(b"kv@pod-1@llama", seq, payload),
+                              "tcp://127.0.0.1:5557", recv_ns=1_000 + seq))
+        out.append(decode_nats("kv.events", payload, "nats://127.0.0.1:4222", recv_ns=7))
+    for seq, layout in enumerate(ez.ARRAY_LAYOUTS):
+        payload = ez.encode_payload(evs, 1.5, 0, "vllm-array", layout)
+        out.append(decode_zmq(ez.encode_frames(b"t", 100 + seq, payload), "tcp://h:1",
+                              recv_ns=2_000, worker_id="w1", dp_rank=1))
+    # EAGLE-style token pairs, bytes hashes, extra fields, a mixed map/array batch
+    eagle = dict(evs[0], token_ids=[[1, 2], [3, 4]], extra_keys=[["img", 3]], group_idx=1)
+    byte_ev = dict(evs[1], block_hashes=[b"\x01" * 32, b"\x02" * 32],
+                   parent_block_hash=b"\x00" * 32)
+    payload = ez.encode_payload([eagle, byte_ev], 2.0, 0, "vllm")
+    out.append(decode_zmq(ez.encode_frames(b"t", 200, payload), "tcp://h:1"))
+    import msgpack
+    mixed = msgpack.packb([3.0, [ez.vllm_map_event(evs[0]), ez.vllm_array_event(evs[1])], 0])
+    out.append(decode_zmq(ez.encode_frames(b"t", 201, mixed), "tcp://h:1"))
+    # Dynamo: JSON, msgpack envelope over NATS, ZMQ event plane
+    routers = [dynamo.router_event(e, 77, i) for i, e in enumerate(evs)]
+    out.append(decode_nats("kv", dynamo.encode_json(routers[0]), "nats://n"))
+    out.append(decode_nats("kv", dynamo.encode_json(routers[-1]), "nats://n"))
+    env = dynamo.encode_envelope(routers, 42, 9, 1_700_000_000_000)
+    out.append(decode_nats("kv", env, "nats://n"))
+    out.append(decode_zmq(dynamo.encode_event_plane(env, 42, 10), "tcp://d:1"))
+    # malformed and empty
+    out.append(decode_zmq([b"only-one-frame"], "tcp://bad"))
+    out.append(decode_zmq([b"t", (5).to_bytes(8, "big"), b"\xc1garbage"], "tcp://bad"))
+    out.append(decode_nats("kv", b"\xc1\x00", "nats://n"))
+    out.append(decode_zmq(ez.encode_frames(b"t", 300, msgpack.packb([1.0, [], 0])),
+                          "tcp://h:1"))
+    return out
+
+
+def test_decoders_cover_every_format() -> None:
+    formats = {b.format for b in all_format_batches()}
+    assert {"engine-map", "engine-array", "engine-mixed", "dynamo-json", "dynamo-msgpack",
+            "dynamo-zmq", "unknown"} <= formats
+    assert sum(b.malformed for b in all_format_batches()) == 3
+
+
+def test_schema_round_trip_every_format() -> None:
+    batches = all_format_batches()
+    rb = batches_to_record_batch(batches)
+    assert rb.schema.equals(SCHEMA)
+    back = record_batch_to_batches(rb)
+    assert back == batches
+    for a, b in zip(batches, back, strict=True):
+        assert [list(e) for e in a.events] == [list(e) for e in b.events]  # key order too
+        assert a.frames == b.frames
+
+
+def test_raw_frames_always_kept_when_asked() -> None:
+    batches = all_format_batches()
+    auto = batches_to_record_batch(batches)
+    always = batches_to_record_batch(batches, raw_frames="always")
+    assert auto.column("frames_codec").null_count < auto.num_rows  # some rebuilt
+    assert always.column("frames_codec").null_count == always.num_rows
+    first_rows = [f for f in always.column("frames").to_pylist() if f is not None]
+    assert first_rows == [b.frames for b in batches]
+    assert record_batch_to_batches(always) == batches
+
+
+def test_signed_hashes_and_gap_rows() -> None:
+    ev = {"type": "BlockStored", "block_hashes": [-5, 3, -(1 << 63)],
+          "parent_block_hash": -1, "token_ids": [1] * 48, "block_size": 16, "lora_id": None}
+    conflict = {"type": "BlockRemoved", "block_hashes": [-1, (1 << 64) - 1, 1 << 70]}
+    b = Batch(source="s", events=[ev, conflict], format="engine-map", seq=1, ts=1.0)
+    rb = batches_to_record_batch([b, Gap(("s", 7), 2, 4, 5, "s")])
+    assert rb.column("block_hashes")[0].as_py() == [(1 << 64) - 5, 3, 1 << 63]
+    assert rb.column("hash_signed")[0].as_py() is True
+    assert rb.column("type").to_pylist()[-1] == "Gap"
+    back = record_batch_to_batches(rb, include_gaps=True)
+    assert back[0] == b
+    assert back[1] == Gap(("s", 7), 2, 4, 5, "s") and back[1].missing == 3
+
+
+def write_all(path: Path, batches: list[Batch], **kw) -> dict:
+    w = RecordingWriter(path, metadata={"sources": ["tcp://x"], "argv": ["kvctl", "record"]},
+                        **kw)
+    for b in batches:
+        w.write(b)
+    return w.close()
+
+
+def test_writer_reader_round_trip(tmp_path: Path) -> None:
+    batches = all_format_batches() * 3
+    out = tmp_path / "run.parquet"
+    summary = write_all(out, batches)
+    assert out.exists() and not (tmp_path / "run.parquet.journal").exists()
+    assert summary["batches"] == len(batches) and summary["malformed"] == 9
+    assert summary["events"] == sum(len(b.events) for b in batches)
+    # small chunks: batches straddle chunk boundaries and must be reassembled
+    back = list(open_recording(out, batch_size=5))
+    assert back == batches
+    assert [b.frames for b in back] == [b.frames for b in batches]
+    meta = json.loads(pq.ParquetFile(out).metadata.metadata[b"kvctl"])
+    assert meta["schema_version"] == SCHEMA_VERSION
+    assert meta["metadata"]["sources"] == ["tcp://x"]
+    assert meta["counts"]["malformed"] == 9 and meta["counts"]["batches"] == len(batches)
+    assert pq.ParquetFile(out).metadata.row_group(0).column(0).compression == "ZSTD"
+
+
+def test_info_and_gaps(tmp_path: Path) -> None:
+    out = tmp_path / "run.parquet"
+    batches = all_format_batches()
+    w = RecordingWriter(out, background=False)
+    w.write(batches[:5])
+    w.write_gap("tcp://127.0.0.1:5557", 3, 9, recv_ns=5)
+    w.write(batches[5:])
+    summary = w.close()
+    assert summary["gaps"] == 1 and summary["missing"] == 7
+    info = recording_info(out)
+    assert info["schema_version"] == SCHEMA_VERSION
+    assert info["gaps"] == 1 and info["missing"] == 7
+    assert info["gap_list"][0]["from_seq"] == 3
+    assert info["malformed"] == 3 and info["by_type"]["Malformed"] == 3
+    assert info["events"] == sum(len(b.events) for b in batches)
+    assert info["by_type"]["BlockStored"] > 0 and info["by_worker"]["77"] > 0
+    assert info["publishers"]["tcp://127.0.0.1:5557"]["min_seq"] == 0
+    assert 0 < info["ratio"] < 10 and info["bytes"] == out.stat().st_size
+    items = list(open_recording(out, include_gaps=True))
+    assert items[5] == Gap("tcp://127.0.0.1:5557", 3, 9, 5, "")
+    assert [b for b in items if not isinstance(b, Gap)] == batches
+
+
+def test_empty_recording(tmp_path: Path) -> None:
+    out = tmp_path / "empty.parquet"
+    RecordingWriter(out).close()
+    assert list(open_recording(out)) == []
+    assert recording_info(out)["rows"] == 0
+
+
+KILL_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_recording import all_format_batches
+from kvctl.transports.files import RecordingWriter
+w = RecordingWriter({out!r}, flush_interval=0.2)
+batches = all_format_batches()
+w.write(batches)
+w.flush()                      # explicit flush
+w.write(batches)               # left to the background flusher (<= flush_interval)
+time.sleep(0.8)
+print("ready", flush=True)
+w.write(batches)               # never flushed: lost with the process
+time.sleep(60)
+"""
+
+
+def test_kill_9_then_recover(tmp_path: Path) -> None:
+    out = tmp_path / "run.parquet"
+    script = KILL_SCRIPT.format(tests=str(REPO / "tests"), out=str(out))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)],
+                            stdout=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    journal = tmp_path / "run.parquet.journal"
+    assert journal.exists() and not out.exists()
+    expected = all_format_batches() * 2
+    assert list(open_recording(journal)) == expected  # readable before recovery too
+    # a torn tail (killed mid-write) costs only the incomplete record batch
+    torn = tmp_path / "torn.parquet.journal"
+    data = journal.read_bytes()
+    torn.write_bytes(data[: len(data) - 100])
+    assert list(open_recording(torn)) == all_format_batches()
+    assert recover(journal) == out
+    assert not journal.exists()
+    assert list(open_recording(out)) == expected
+    meta = json.loads(pq.ParquetFile(out).metadata.metadata[b"kvctl"])
+    assert meta["recovered"] is True and meta["counts"]["batches"] == len(expected)
+    assert recover(torn) == tmp_path / "torn.parquet"
+
+
+def test_rotation_by_size(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    batches = all_format_batches() * 8
+    summary = write_all(out, batches, rotate_size=20_000, flush_rows=20, background=False)
+    parts = sorted(p.name for p in out.glob("part-*.parquet"))
+    assert len(parts) > 2 and len(summary["files"]) == len(parts)
+    assert not list(out.glob(".*"))  # no journal or temp left
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["complete"] and [s["file"] for s in manifest["segments"]] == parts
+    assert manifest["counts"]["batches"] == len(batches)
+    assert sum(s["rows"] for s in manifest["segments"]) == ds.dataset(out).count_rows()
+    assert list(open_recording(out)) == batches
+    assert recording_info(out)["batches"] == len(batches)
+    # batch_index keeps counting across segments
+    table = ds.dataset(out).to_table(columns=["batch_index"])
+    idx = [i for i in table.column("batch_index").to_pylist() if i is not None]
+    assert sorted(set(idx)) == list(range(len(batches)))
+
+
+def test_rotation_by_time(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    every = 0.25
+    w = RecordingWriter(out, rotate_every=every, flush_interval=0.05)
+    batches = all_format_batches()
+    deadline = time.time() + 0.9
+    written = []
+    while time.time() < deadline:
+        w.write(batches[len(written) % len(batches)])
+        written.append(batches[(len(written)) % len(batches)])
+        time.sleep(0.02)
+    w.close()
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert len(manifest["segments"]) >= 3
+    for seg in manifest["segments"]:
+        start = seg["window_start_ns"] / 1e9
+        assert abs(start / every - round(start / every)) < 1e-6  # aligned to the clock
+    assert ds.dataset(out, format="parquet").count_rows() == manifest["counts"]["rows"]
+    assert list(open_recording(out)) == written
+
+
+def test_recover_segment_directory(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    w = RecordingWriter(out, rotate_size=10_000, flush_rows=10, background=False)
+    batches = all_format_batches() * 4
+    for b in batches:
+        w.write(b)
+    w.write(batches[-1])  # one row, well below the rotation size: its segment stays open
+    w.flush()
+    batches.append(batches[-1])
+    # simulate a crash: abandon the writer (journal of the open segment stays behind)
+    w._converter.shutdown(wait=True)
+    assert list(out.glob(".part-*.journal"))
+    assert list(open_recording(out)) == batches  # finished segments + live journal
+    assert recover(out) == out
+    assert not list(out.glob(".part-*"))
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["counts"]["batches"] == len(batches)
+    assert list(open_recording(out)) == batches
+
+
+def test_journal_is_ipc_stream(tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    w = RecordingWriter(out, background=False)
+    w.write(all_format_batches())
+    w.flush()
+    rbs = list(read_journal(tmp_path / "r.parquet.journal"))
+    assert sum(rb.num_rows for rb in rbs) > 0
+    w.close()
+
+
+# --- property test: random events with int / bytes hashes survive the schema -----------------
+
+_u64 = st.integers(0, (1 << 64) - 1)
+_i64 = st.integers(-(1 << 63), (1 << 63) - 1)
+_hash = st.one_of(_u64, _i64, st.binary(min_size=1, max_size=32))
+_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70),
+                    st.floats(allow_nan=False), st.text(max_size=8), st.binary(max_size=8))
+_any = st.recursive(_scalar, lambda inner: st.one_of(
+    st.lists(inner, max_size=3),
+    st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 9)), inner, max_size=3)),
+    max_leaves=6)
+
+
+@st.composite
+def events(draw: st.DrawFn) -> dict:
+    kind = draw(st.sampled_from(["u", "s", "b", "mixed"]))
+    base = {"u": _u64, "s": _i64, "b": st.binary(min_size=32, max_size=32), "mixed": _hash}
+    ev: dict = {"type": draw(st.sampled_from(["BlockStored", "BlockRemoved", "X", 5]))}
+    fields = {
+        "block_hashes": st.one_of(st.none(), st.lists(base[kind], max_size=5)),
+        "parent_block_hash": st.one_of(st.none(), base[kind]),
+        "token_ids": st.one_of(st.none(), st.lists(st.integers(0, (1 << 32) - 1),
+                                                   max_size=20),
+                               st.lists(st.lists(st.integers(0, 99), max_size=2),
+                                        max_size=3)),
+        "block_size": st.one_of(st.none(), st.integers(0, 1 << 40)),
+        "lora_id": st.one_of(st.none(), st.integers(-(1 << 65), 1 << 65)),
+        "lora_name": st.one_of(st.none(), st.text(max_size=5), st.integers()),
+        "medium": st.one_of(st.none(), st.sampled_from(["GPU", "CPU"])),
+        "tokens_hashes": st.lists(st.one_of(_u64, _i64), max_size=3),
+        "event_id": st.one_of(_u64, _i64),
+        "storage_tier": st.one_of(st.none(), st.text(max_size=4)),
+        "worker_id": st.one_of(st.integers(0, 3), st.text(max_size=3)),
+        "dp_rank": st.one_of(st.none(), st.integers(0, 2)),
+        "extra_keys": _any,
+        "weird$": _any,
+    }
+    for name in draw(st.permutations(list(fields))):
+        if draw(st.booleans()):
+            ev[name] = draw(fields[name])
+    if draw(st.integers(0, 20)) == 0:
+        ev[7] = "non-string key"
+    return ev
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(events(), max_size=4), min_size=1, max_size=4),
+       st.one_of(st.none(), st.integers(0, 3), st.text(max_size=3)),
+       st.one_of(st.none(), st.integers(0, (1 << 64) - 1)))
+def test_schema_round_trip_property(groups: list[list[dict]], worker, seq) -> None:
+    batches = [Batch(source="tcp://h:1", events=evs, format="engine-map", topic="t", seq=seq,
+                     ts=1.5, recv_ns=i, worker_id=worker, dp_rank=0,
+                     frames=[b"raw", bytes([i])], publisher=("tcp://h:1", worker))
+               for i, evs in enumerate(groups)]
+    back = record_batch_to_batches(batches_to_record_batch(batches))
+    assert back == batches
+    for a, b in zip(batches, back, strict=True):
+        for ea, eb in zip(a.events, b.events, strict=True):
+            assert list(ea) == list(eb)
+            assert [type(v) for v in ea.values()] == [type(v) for v in eb.values()]
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_batch_without_events_keeps_frames(n: int) -> None:
+    b = Batch(source="s", events=[], format="unknown", frames=[b"\xc1"] * n,
+              error="not msgpack" if n else None)
+    rb = batches_to_record_batch([b])
+    assert rb.num_rows == 1
+    assert rb.column("type")[0].as_py() == ("Malformed" if n else None)
+    assert record_batch_to_batches(rb) == [b]
