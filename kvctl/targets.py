@@ -192,7 +192,8 @@ class NatsTarget:
         dp_rank = batch.dp_rank or 0
         first_id = self.event_ids.get(worker, 0)
         self.event_ids[worker] = first_id + len(events)
-        maps = [dynamo.router_event(e, worker, first_id + i, dp_rank)
+        era = "1.6" if self.encoding == "dynamo" else "0.9"
+        maps = [dynamo.router_event(e, worker, first_id + i, dp_rank, era)
                 for i, e in enumerate(events)]
         size = 0
         if self.encoding == "dynamo":

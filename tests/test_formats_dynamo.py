@@ -135,3 +135,26 @@ def test_json_and_envelope_round_trip(events, worker):
     assert env.error is None and len(env.events) == len(events)
     for event, decoded in zip(events, env.events, strict=True):
         _check(event, decoded, worker)
+
+
+# A real NATS message published by ai-dynamo-runtime 1.6.1's KvEventPublisher
+# (publish_removed([333]) from worker 42), captured with a plain nats-py subscriber.
+DYNAMO_1_6_REMOVED = bytes.fromhex(
+    "85ac7075626c69736865725f6964cf0007ed1ffe670df4a873657175656e636502ac7075626c69736865645f"
+    "6174cf000001a22b1db7d0a5746f706963a96b762d6576656e7473a77061796c6f6164c4739184a9776f726b"
+    "65725f69642aac73746f726167655f74696572a6646576696365b07265736964656e63795f646f6d61696ea6"
+    "776f726b6572a56576656e7483a86576656e745f696403a46461746181a772656d6f76656481ac626c6f636b"
+    "5f68617368657391cd014da764705f72616e6b00")
+
+
+def test_real_dynamo_1_6_capture():
+    batch = decode_nats("namespace.kvctl.component.worker.endpoint.generate.kv-events",
+                        DYNAMO_1_6_REMOVED, "nats://x")
+    assert batch.error is None and batch.format == "dynamo-msgpack"
+    assert batch.seq == 2 and batch.publisher == ("nats://x", 0x0007ED1FFE670DF4)
+    assert batch.events == [{"type": "BlockRemoved", "block_hashes": [333], "medium": None,
+                             "event_id": 3, "worker_id": 42, "dp_rank": 0,
+                             "storage_tier": "device", "residency_domain": "worker"}]
+    # our encoder produces the same RouterEvent structure
+    ours = router_event({"type": "BlockRemoved", "block_hashes": [333]}, 42, 3)
+    assert msgpack.unpackb(msgpack.unpackb(DYNAMO_1_6_REMOVED)["payload"]) == [ours]

@@ -48,9 +48,9 @@ def test_live_subjects_of_every_era(nats_server):
         {"type": "BlockRemoved", "block_hashes": [5]}, 3, 1)], 99, 0, 1_700_000_000_000)
     publish(nats_server.url, [
         ("namespace.dyn.component.backend.kv_events",  # <= 0.5, JSON
-         encode_json(router_event(STORED, 1, 0, storage_tier=None, with_mm_info=False))),
+         encode_json(router_event(STORED, 1, 0, era="0.5"))),
         ("namespace-dyn-component-backend-kv-events.kv-events",  # 0.7-0.9 JetStream subject
-         encode_json(router_event({"type": "AllBlocksCleared"}, 2, 1))),
+         encode_json(router_event({"type": "AllBlocksCleared"}, 2, 1, era="0.9"))),
         ("unrelated.queue", b"{}"),  # not a KV stream: ignored
         ("namespace.dyn.component.backend.endpoint.generate.kv-events", envelope),  # >= 1.2
     ])

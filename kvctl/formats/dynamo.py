@@ -150,10 +150,14 @@ def router_event(
     worker_id: int,
     event_id: int,
     dp_rank: int = 0,
-    storage_tier: str | None = "device",
-    with_mm_info: bool = True,
+    era: str = "1.6",
 ) -> dict[str, Any]:
-    """Build a RouterEvent map from a canonical event; tokens_hash is computed from token_ids."""
+    """Build a RouterEvent map from a canonical event, as Dynamo ``era`` shapes it:
+    ``"1.6"`` (>= 1.2: ``storage_tier``, ``residency_domain``, ``start_position``,
+    ``mm_extra_info``), ``"0.9"`` (0.6-0.9: ``dp_rank``, nothing newer) or ``"0.5"`` (no
+    ``dp_rank``). ``tokens_hash`` is computed from ``token_ids`` unless the event carries
+    ``tokens_hashes``."""
+    modern = era == "1.6"
     etype = event["type"]
     if etype == BLOCK_STORED:
         hashes = [to_unsigned(h) for h in event.get("block_hashes") or ()]
@@ -165,21 +169,28 @@ def router_event(
         for i, h in enumerate(hashes):
             th = given[i] if given else tokens_hash(tokens[i * size:(i + 1) * size], lora)
             block: dict[str, Any] = {"block_hash": h, "tokens_hash": th}
-            if with_mm_info:
+            if modern:
                 block["mm_extra_info"] = None
             blocks.append(block)
         parent = event.get("parent_block_hash")
-        data: Any = {"stored": {"parent_hash": to_unsigned(parent) if parent is not None else None,
-                                "blocks": blocks}}
+        stored: dict[str, Any] = {"parent_hash": to_unsigned(parent) if parent is not None
+                                  else None}
+        if modern:
+            stored["start_position"] = event.get("start_position")
+        stored["blocks"] = blocks
+        data: Any = {"stored": stored}
     elif etype == BLOCK_REMOVED:
         data = {"removed": {"block_hashes": [to_unsigned(h) for h in event.get("block_hashes")
                                              or ()]}}
     else:
         data = "cleared"
     out: dict[str, Any] = {"worker_id": worker_id}
-    if storage_tier is not None:
-        out["storage_tier"] = storage_tier
-    out["event"] = {"event_id": event_id, "data": data, "dp_rank": dp_rank}
+    if modern:
+        out["storage_tier"] = event.get("storage_tier") or "device"
+        out["residency_domain"] = event.get("residency_domain") or "worker"
+    out["event"] = {"event_id": event_id, "data": data}
+    if era != "0.5":
+        out["event"]["dp_rank"] = dp_rank
     return out
 
 
