@@ -74,6 +74,8 @@ class ZmqTarget:
         self.seqs: list[int] = []
         self.replays: list[Any] = []
         self.bytes_sent = 0
+        if not per_worker:
+            self._socket(0)  # bind now: consumers may connect before the first batch
 
     def open_slots(self, count: int) -> list[str]:
         """Bind ``count`` sockets now (simulate knows its workers up front)."""
@@ -101,6 +103,12 @@ class ZmqTarget:
         if slot is None:
             slot = self.slots[key] = len(self.slots)
         return slot
+
+    def open_for(self, batches: Any) -> None:
+        """Bind the socket of every worker in ``batches`` up front (in order of appearance),
+        so that subscribers can join before anything is sent."""
+        for batch in batches:
+            self._socket(self.slot_for(batch))
 
     def frames(self, batch: Batch, events: list[Event], slot: int) -> list[bytes]:
         seq = batch.seq if self.keep_seq and batch.seq is not None else self.seqs[slot]
@@ -232,3 +240,75 @@ def open_target(to: str, encoding: str | None, **kwargs: Any) -> ZmqTarget | Nat
         return ZmqTarget(to, encoding or "vllm",
                          **{k: v for k, v in kwargs.items() if k in zmq_keys and v is not None})
     raise UsageError(f"--to {to}: expected tcp://HOST:PORT, ipc://PATH or nats://HOST:PORT")
+
+
+def salt_hashes(event: Event, salt: int) -> Event:
+    """A copy of ``event`` whose block hashes (and parent, and Dynamo tokens_hashes) are XORed
+    with ``salt``: distinct per loop, yet chains stay chained. Token ids are unchanged, so
+    tokens_hashes are computed first and salted too (Dynamo's index keys on them)."""
+    if salt == 0 or event.get("type") not in ("BlockStored", "BlockRemoved"):
+        return event
+
+    def mix(h: Any) -> Any:
+        if isinstance(h, int):
+            return (h & 0xFFFF_FFFF_FFFF_FFFF) ^ salt
+        if isinstance(h, (bytes, bytearray)):
+            tail = (int.from_bytes(h[-8:], "big") ^ salt).to_bytes(8, "big")
+            return bytes(h[:-8]) + tail
+        return h
+
+    out = dict(event)
+    out["block_hashes"] = [mix(h) for h in event.get("block_hashes") or ()]
+    if event.get("parent_block_hash") is not None:
+        out["parent_block_hash"] = mix(event["parent_block_hash"])
+    if event["type"] == "BlockStored":
+        given = event.get("tokens_hashes")
+        if not given and event.get("token_ids"):
+            hashes = event["block_hashes"] or ()
+            tokens = event["token_ids"]
+            size = event.get("block_size") or (len(tokens) // len(hashes) if hashes else 0)
+            given = [dynamo.tokens_hash(tokens[i * size:(i + 1) * size], event.get("lora_name"))
+                     for i in range(len(hashes))]
+        if given:
+            out["tokens_hashes"] = [mix(h) for h in given]
+    return out
+
+
+class Sender:
+    """The sink side of replay and bridge: picks raw bytes or an encoder per batch, applies
+    per-loop hash salting, sends through a target and counts what went out."""
+
+    def __init__(self, target: Any, encoding: str | None, salt: int = 0) -> None:
+        self.target = target
+        self.encoding = encoding
+        self.salt = salt
+        self.batches = self.events = self.bytes = self.skipped = 0
+
+    def write(self, batch: Batch, events: list[Event]) -> None:
+        if self.salt:
+            events = [salt_hashes(e, self.salt) for e in events]
+        if isinstance(self.target, ZmqTarget):
+            raw_ok = events is batch.events and not self.salt
+            wanted = self.encoding or ("raw" if raw_ok and batch.format.startswith("engine")
+                                       else "vllm")
+            if wanted == "raw" and not raw_ok:
+                raise UsageError("--format raw sends recorded bytes unchanged: it cannot be "
+                                 "combined with filters, -c or --unique-hashes")
+            self.target.encoding = wanted
+        self.bytes += self.target.write(batch, events)
+        self.batches += 1
+        self.events += len(events)
+        self.target.service()
+
+    def write_raw(self, batch: Batch) -> bool:
+        """Send a malformed message's frames exactly as recorded (raw ZMQ replay only)."""
+        if isinstance(self.target, ZmqTarget) and self.encoding in (None, "raw") and batch.frames:
+            self.target._socket(self.target.slot_for(batch)).send(batch.frames)
+            self.bytes += sum(map(len, batch.frames))
+            self.batches += 1
+            return True
+        self.skipped += 1
+        return False
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,89 @@
+"""kvctl bridge: forward live KV-event streams into another format or transport."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from ..options import (
+    connection_kwargs,
+    filter_options,
+    limit_options,
+    output_options,
+    source_arguments,
+)
+from .replay import make_report, open_target_from, print_report, with_target_options
+
+
+@click.command("bridge")
+@source_arguments
+@with_target_options
+@filter_options
+@limit_options
+@output_options
+def command(**params: Any) -> None:
+    """Forward live streams to a target as they arrive: engine ZMQ -> Dynamo on NATS (what
+    Dynamo's ZMQ relay does in-process), old vLLM arrays -> the new map form, NATS -> ZMQ.
+
+    \b
+    Example:
+      kvctl bridge tcp://127.0.0.1:5557 --to nats://127.0.0.1:4222 --namespace dyn
+      kvctl bridge 0=tcp://10.0.0.1:5557 --to tcp://127.0.0.1:6557 --format vllm
+      kvctl bridge nats://127.0.0.1:4222 --to tcp://127.0.0.1:5557 --port-per-worker
+    """
+    from ..output import StderrDiagnostics
+    from ..pipeline import Schedule, Summary, run
+    from ..session import Interrupted, make_filters, make_limits, open_source
+    from ..targets import Sender
+
+    diagnostics = StderrDiagnostics(quiet=params["quiet"])
+    target = open_target_from(params)
+    source = None
+    summary = Summary()
+    sender = Sender(target, params["encoding"])
+    started, cpu_start = time.perf_counter(), time.process_time()
+    interrupted = False
+    try:
+        if params["wait_subscribers"]:  # downstream first: nothing read is sent into the void
+            diagnostics.say(f"kvctl: waiting for {params['wait_subscribers']} subscriber(s)",
+                            "dim")
+            while not target.wait_subscribers(params["wait_subscribers"], 0.2):
+                pass
+        source = open_source(params["sources"], **connection_kwargs(params))
+        diagnostics.say(f"kvctl: bridging {', '.join(params['sources'])} -> {params['to']}",
+                        "dim")
+        run(source, sender, make_limits(params), make_filters(params),
+            _Forwarding(diagnostics, sender), summary=summary)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        if source is not None:
+            source.close()
+        target.close()
+    schedule = Schedule(None)
+    report = make_report(sender, time.perf_counter() - started, schedule,
+                         time.process_time() - cpu_start)
+    report["received"] = summary.to_json()
+    print_report(report, params, diagnostics)
+    diagnostics.say("kvctl: received " + summary.line(), "dim")
+    if interrupted:
+        raise Interrupted("interrupted")
+
+
+class _Forwarding:
+    """Diagnostics that also forward malformed messages byte for byte when the target is raw."""
+
+    def __init__(self, shown: Any, sender: Any) -> None:
+        self.shown, self.sender = shown, sender
+
+    def malformed(self, batch: Any) -> None:
+        self.shown.malformed(batch)
+        self.sender.write_raw(batch)
+
+    def gap(self, *args: Any) -> None:
+        self.shown.gap(*args)
+
+    def sequence(self, *args: Any) -> None:
+        self.shown.sequence(*args)

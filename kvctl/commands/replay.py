@@ -1,0 +1,262 @@
+"""kvctl replay: play recordings into any engine or router format at controlled rates."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from ..options import filter_options, output_options
+from ..targets import NATS_FORMATS, ZMQ_FORMATS
+
+target_options = [
+    click.option("--to", required=True, metavar="URL",
+                 help="tcp://HOST:PORT or ipc://PATH (a PUB that binds, as an engine does) or "
+                      "nats://HOST:PORT[/SUBJECT] (Dynamo)."),
+    click.option("--format", "encoding", type=click.Choice([*ZMQ_FORMATS, *NATS_FORMATS]),
+                 help="raw (recorded bytes; default for engine batches to ZMQ), vllm, "
+                      "vllm-array, sglang, seed; dynamo (default on NATS), dynamo-json."),
+    click.option("--array-layout", default="0.22", show_default=True,
+                 type=click.Choice(["0.9", "0.10.2", "0.14", "0.17", "0.20", "0.22"]),
+                 help="vLLM release whose array length --format vllm-array writes."),
+    click.option("--port-per-worker", is_flag=True,
+                 help="One PUB per worker on consecutive ports (port + i), like vLLM DP ranks."),
+    click.option("--keep-seq", is_flag=True, help="Send the recorded seq instead of a fresh one."),
+    click.option("--replay-port", type=click.IntRange(1, 65535), metavar="PORT",
+                 help="Serve a vLLM-style replay ROUTER on PORT (+ i per worker)."),
+    click.option("--wait-subscribers", type=click.IntRange(min=0), default=0, metavar="N",
+                 help="Hold the first batch until N subscribers joined (ZMQ)."),
+    click.option("--linger", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
+                 help="Keep sockets (and the replay ROUTER) open this long after the end."),
+    click.option("--namespace", default="dynamo", show_default=True, help="Dynamo namespace."),
+    click.option("--component", default="backend", show_default=True,
+                 help="Dynamo component."),
+    click.option("--endpoint", "dynamo_endpoint", default="generate", show_default=True,
+                 help="Dynamo endpoint."),
+]
+
+
+def with_target_options(func: Any) -> Any:
+    for option in reversed(target_options):
+        func = option(func)
+    return func
+
+
+def open_target_from(params: dict[str, Any]) -> Any:
+    from ..targets import open_target
+
+    return open_target(params["to"], params["encoding"], per_worker=params["port_per_worker"],
+                       keep_seq=params["keep_seq"], replay_port=params["replay_port"],
+                       array_layout=params["array_layout"], namespace=params["namespace"],
+                       component=params["component"], endpoint=params["dynamo_endpoint"])
+
+
+def parse_window(value: str | None) -> tuple[str, float] | None:
+    """``--start/--end``: seconds from the recording's start, or ``seq:N``."""
+    if value is None:
+        return None
+    kind, _, number = value.partition(":") if value.startswith("seq:") else ("time", "", value)
+    try:
+        return kind, float(number)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected SECONDS or seq:N") from None
+
+
+@click.command("replay")
+@click.argument("recordings", nargs=-1, required=True, metavar="RECORDING...",
+                type=click.Path(exists=True))
+@with_target_options
+@click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True, help="Scale the recorded timing (2 = twice as fast).")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), metavar="BATCHES_PER_S",
+              help="Send at a fixed rate of batches per second instead of recorded timing.")
+@click.option("--topspeed", is_flag=True, help="Send as fast as possible.")
+@click.option("--max-gap", type=click.FloatRange(min=0), metavar="SECONDS",
+              help="Cap idle gaps of the recording at this many (schedule) seconds.")
+@click.option("--loop", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Play the recording N times (0: until interrupted).")
+@click.option("--unique-hashes", is_flag=True,
+              help="Re-salt block hashes on every loop after the first, so a router sees new "
+                   "blocks (implies re-encoding).")
+@click.option("--start", metavar="SECONDS|seq:N", help="Skip what comes before this point.")
+@click.option("--end", metavar="SECONDS|seq:N", help="Stop at this point.")
+@filter_options
+@click.option("-c", "--count", type=click.IntRange(min=1), metavar="N",
+              help="Stop after N events.")
+@output_options
+def command(**params: Any) -> None:
+    """Replay recordings into an engine (ZMQ PUB that binds) or a router (Dynamo on NATS),
+    in any producer's format, at the recorded pace, scaled, or at a fixed rate.
+
+    Every send is scheduled from the start time (never from the previous send), so timing
+    does not drift. Ends with a tcpreplay-style report of what was sent and how late.
+
+    \b
+    Example:
+      kvctl replay run.parquet --to tcp://127.0.0.1:5557
+      kvctl replay run.parquet --to tcp://127.0.0.1:5557 --format vllm-array --speed 10
+      kvctl replay run.parquet --to nats://127.0.0.1:4222 --format dynamo --rate 1000
+      kvctl replay run.parquet --to tcp://127.0.0.1:5557 --topspeed --loop 5 --unique-hashes
+    """
+    from ..output import StderrDiagnostics
+    from ..pipeline import RecordingSource, Schedule
+    from ..session import Interrupted, make_filters
+    from ..targets import Sender
+
+    if params["encoding"] == "raw" and (params["unique_hashes"] or params["types"]
+                                        or params["workers"] or params["count"]):
+        raise click.UsageError("--format raw sends recorded bytes unchanged: it cannot be "
+                               "combined with filters, -c or --unique-hashes")
+    start, end = parse_window(params["start"]), parse_window(params["end"])
+    diagnostics = StderrDiagnostics(quiet=params["quiet"])
+    filters = make_filters(params)
+    source = RecordingSource(list(params["recordings"]))
+    target = open_target_from(params)
+    speed = None if params["topspeed"] or params["rate"] else params["speed"]
+    schedule = Schedule(None if params["topspeed"] else (1.0 if params["rate"] else speed))
+    sender = Sender(target, params["encoding"])
+    cpu_start = time.process_time()
+    remaining = params["count"]
+    interrupted = False
+    progress = _Progress(diagnostics, params)
+    offset = 0.0
+    try:
+        if params["port_per_worker"] and hasattr(target, "open_for"):
+            target.open_for(b for b in source.batches() if b.error is None)
+        if params["wait_subscribers"]:
+            diagnostics.say(f"kvctl: waiting for {params['wait_subscribers']} subscriber(s)",
+                            "dim")
+            while not target.wait_subscribers(params["wait_subscribers"], 0.2):
+                pass
+        loop = 0
+        while params["loop"] == 0 or loop < params["loop"]:
+            sender.salt = _salt(loop) if params["unique_hashes"] else 0
+            previous_ns = None
+            first: dict[str, float] = {}
+            for batch in source.batches():
+                when = (batch.recv_ns or int((batch.ts or 0) * 1e9)) / 1e9
+                if not first:
+                    first["time"] = when
+                    if loop == 0:  # the schedule starts when the first batch is at hand
+                        schedule.start = time.perf_counter()
+                        cpu_start = time.process_time()
+                if not _in_window(batch, when - first["time"], start, end):
+                    if end is not None and end[0] == "time" and when - first["time"] > end[1]:
+                        break  # seq windows cannot stop early: seqs count per publisher
+                    continue
+                if params["rate"]:
+                    offset += 1.0 / params["rate"]
+                elif previous_ns is not None:
+                    gap = max(0.0, when - previous_ns)
+                    if params["max_gap"] is not None:
+                        gap = min(gap, params["max_gap"] * (speed or 1.0))
+                    offset += gap
+                previous_ns = when
+                schedule.wait(offset)
+                if batch.error is not None:
+                    sender.write_raw(batch)
+                    continue
+                events = filters.apply(batch)
+                if not events:
+                    continue
+                if remaining is not None:
+                    if len(events) > remaining:
+                        events = events[:remaining]
+                    remaining -= len(events)
+                sender.write(batch, events)
+                progress.advance(sender)
+                if remaining == 0:
+                    break
+            loop += 1
+            if remaining == 0:
+                break
+        if params["linger"]:
+            deadline = time.monotonic() + params["linger"]
+            while time.monotonic() < deadline:
+                target.service()
+                time.sleep(0.01)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        progress.stop()
+        elapsed = time.perf_counter() - schedule.start
+        target.close()
+    report = make_report(sender, elapsed, schedule, time.process_time() - cpu_start)
+    print_report(report, params, diagnostics)
+    if interrupted:
+        raise Interrupted("interrupted")
+
+
+def _salt(loop: int) -> int:
+    import xxhash
+
+    return 0 if loop == 0 else xxhash.xxh3_64_intdigest(b"kvctl-loop-%d" % loop)
+
+
+def _in_window(batch: Any, offset: float, start: Any, end: Any) -> bool:
+    for bound, ok in ((start, lambda v, b: v >= b), (end, lambda v, b: v <= b)):
+        if bound is None:
+            continue
+        value = offset if bound[0] == "time" else batch.seq
+        if value is None or not ok(value, bound[1]):
+            return False
+    return True
+
+
+def make_report(sender: Any, elapsed: float, schedule: Any, cpu_s: float) -> dict[str, Any]:
+    elapsed = max(elapsed, 1e-9)
+    return {
+        "batches": sender.batches, "events": sender.events, "bytes": sender.bytes,
+        "skipped": sender.skipped, "elapsed_s": round(elapsed, 6),
+        "batches_per_s": sender.batches / elapsed, "events_per_s": sender.events / elapsed,
+        "mbps": sender.bytes * 8 / elapsed / 1e6, "lateness": schedule.report(),
+        "cpu_s": round(cpu_s, 3), "cpu_percent": round(100 * cpu_s / elapsed, 1),
+    }
+
+
+def print_report(report: dict[str, Any], params: dict[str, Any], diagnostics: Any) -> None:
+    from ..output import dumps
+
+    if params.get("as_json"):
+        click.echo(dumps(report))
+        return
+    late = report["lateness"]
+    lines = [f"Actual: {report['batches']} batches ({report['events']} events, "
+             f"{report['bytes']:,} bytes) sent in {report['elapsed_s']:.3f} s",
+             f"Rated: {report['batches_per_s']:,.1f} batches/s, {report['events_per_s']:,.1f} "
+             f"events/s, {report['mbps']:.3f} Mbps"]
+    if late:
+        lines.append(f"Timing: lateness median {late['median_ms']:.3f} ms, p99 "
+                     f"{late['p99_ms']:.3f} ms, max {late['max_ms']:.3f} ms, "
+                     f"{late['late_over_1ms']} sends later than 1 ms")
+    lines.append(f"CPU: {report['cpu_s']:.2f} s ({report['cpu_percent']:.0f}% of one core)")
+    if report.get("skipped"):
+        lines.append(f"Skipped: {report['skipped']} malformed messages (sent only with raw)")
+    for line in lines:
+        diagnostics.say(line)
+
+
+class _Progress:
+    """A rich progress bar on stderr while sending (terminals only)."""
+
+    def __init__(self, diagnostics: Any, params: dict[str, Any]) -> None:
+        self.bar = None
+        if diagnostics.quiet or not diagnostics.console.is_terminal:
+            return
+        from rich.progress import Progress
+
+        self.bar = Progress(*Progress.get_default_columns(), "{task.fields[rate]}",
+                            console=diagnostics.console, transient=True)
+        self.task = self.bar.add_task("replaying", total=None, rate="")
+        self.bar.start()
+        self.started = time.monotonic()
+
+    def advance(self, sender: Any) -> None:
+        if self.bar is not None and sender.batches % 64 == 0:
+            rate = sender.batches / max(time.monotonic() - self.started, 1e-9)
+            self.bar.update(self.task, completed=sender.batches, rate=f"{rate:,.0f} batches/s")
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
