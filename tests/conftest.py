@@ -77,12 +77,12 @@ def nats_server_binary() -> str:
 
 
 class NatsServer:
-    def __init__(self, store: Path) -> None:
+    def __init__(self, store: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-             "-sd", str(store)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             "-sd", str(store), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

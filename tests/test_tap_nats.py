@@ -104,3 +104,31 @@ def test_unreachable_nats_is_a_clear_error():
     err = result.stderr.decode()
     assert result.returncode == 1 and "cannot connect to NATS" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1  # one line
+
+
+def test_nats_credentials_from_options_and_environment(tmp_path):
+    from conftest import NatsServer
+
+    server = NatsServer(tmp_path, "--user", "kv", "--pass", "s3cret")
+    try:
+        denied = run_kvctl("tap", server.url, "--connect-timeout", "2")
+        assert denied.returncode == 1 and b"Traceback" not in denied.stderr
+        assert b"cannot connect to NATS" in denied.stderr
+        for args, env in ((["--nats-user", "kv", "--nats-password", "s3cret"], None),
+                          ([], {"KVCTL_NATS_USER": "kv", "KVCTL_NATS_PASSWORD": "s3cret"})):
+            proc = start_kvctl("tap", server.url, "--json", "-c", "1", *args, env=env)
+            wait_ready(proc)
+            asyncio.run(asyncio.wait_for(_publish_auth(server.url), 10))
+            rc, out, err = finish(proc)
+            assert rc == 0, err
+            assert json.loads(out)["type"] == "AllBlocksCleared"
+    finally:
+        server.stop()
+
+
+async def _publish_auth(url: str) -> None:
+    nc = await nats.connect(url, user="kv", password="s3cret")
+    await nc.publish("namespace.a.component.b.kv_events",
+                     encode_json(router_event({"type": "AllBlocksCleared"}, 1, 0)))
+    await nc.flush()
+    await nc.close()

@@ -241,3 +241,16 @@ def test_options_from_environment(engine):
     engine.send([removed([1]), removed([2])])
     rc, out, err = finish(proc)
     assert rc == 0 and len(json_lines(out)) == 1
+
+
+def test_ipc_endpoint(tmp_path):
+    engine = Engine(f"ipc://{tmp_path}/engine.sock")
+    try:
+        proc = start_kvctl("tap", engine.endpoint, "--json", "-c", "1")
+        engine.wait_for()
+        engine.send([removed([5])])
+        rc, out, err = finish(proc)
+    finally:
+        engine.close()
+    assert rc == 0, err
+    assert json_lines(out)[0]["source"] == engine.endpoint
