@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -39,7 +39,6 @@ class NatsOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     connect_timeout: float = 5.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def connect_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -63,7 +62,6 @@ class NatsOptions:
             if self.tls_cert:
                 ctx.load_cert_chain(self.tls_cert, self.tls_key)
             kwargs["tls"] = ctx
-        kwargs.update(self.extra)
         return kwargs
 
 
@@ -99,7 +97,6 @@ class Subscriber:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name="kvctl-nats", daemon=True)
-        self.jetstream_subjects: list[str] = []
 
     def start(self) -> None:
         self._thread.start()
@@ -158,7 +155,6 @@ class Subscriber:
         try:
             if self.from_start:
                 jetstream_subjects.update(await self._subscribe_history(nc, forward_js))
-                self.jetstream_subjects = sorted(jetstream_subjects)
             for subject in self.subjects:
                 await nc.subscribe(subject, cb=forward)
             await nc.flush(timeout=self.options.connect_timeout)
@@ -198,38 +194,6 @@ class Subscriber:
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout=5)
         self.socket.close(0)
-
-
-async def publish(
-    server: str,
-    messages: list[tuple[str, bytes]],
-    options: NatsOptions | None = None,
-    jetstream_stream: str | None = None,
-) -> None:
-    """Publish ``(subject, data)`` messages; with ``jetstream_stream`` the stream is created if
-    needed and each publish waits for the server's ack."""
-    import nats
-
-    try:
-        nc = await nats.connect(servers=[server], **(options or NatsOptions()).connect_kwargs())
-    except Exception as exc:
-        raise TransportError(f"{server}: cannot connect to NATS: {exc}") from None
-    try:
-        if jetstream_stream:
-            js = nc.jetstream()
-            subjects = sorted({s for s, _ in messages})
-            try:
-                await js.add_stream(name=jetstream_stream, subjects=subjects)
-            except Exception:
-                await js.update_stream(name=jetstream_stream, subjects=subjects)
-            for subject, data in messages:
-                await js.publish(subject, data)
-        else:
-            for subject, data in messages:
-                await nc.publish(subject, data)
-            await nc.flush()
-    finally:
-        await nc.close()
 
 
 class Publisher:
