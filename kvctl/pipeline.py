@@ -377,13 +377,13 @@ class Schedule:
 
     Every wait is computed from the start, never from the previous send, so errors do not
     accumulate; it sleeps until shortly before the due time and spins the rest, because
-    ``time.sleep`` overshoots by up to a scheduler tick. ``speed=None`` sends at top speed.
+    ``time.sleep`` overshoots by up to a scheduler tick (``spin_s=0`` trades that precision for
+    idle CPU, as the simulator does). ``speed=None`` sends at top speed.
     """
 
-    SPIN_S = 0.0005
-
-    def __init__(self, speed: float | None = 1.0) -> None:
+    def __init__(self, speed: float | None = 1.0, spin_s: float = 0.0005) -> None:
         self.speed = speed
+        self.spin_s = spin_s
         self.start = time.perf_counter()
         self.lateness: list[float] = []
 
@@ -393,8 +393,8 @@ class Schedule:
             return 0.0
         due = self.start + offset_s / self.speed
         now = time.perf_counter()
-        if due - now > self.SPIN_S:
-            time.sleep(due - now - self.SPIN_S)
+        if due - now > self.spin_s:
+            time.sleep(due - now - self.spin_s)
         while (now := time.perf_counter()) < due:
             pass
         late = now - due

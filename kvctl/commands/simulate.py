@@ -95,6 +95,7 @@ def command(**params: Any) -> None:
                          replay_port=params["replay_base_port"], namespace=params["namespace"],
                          component=params["component"], endpoint=params["dynamo_endpoint"])
     counts = {"batches": 0, "events": 0, "bytes": 0}
+    started, cpu_started = time.monotonic(), time.process_time()
     display = None
     try:
         if hasattr(target, "open_slots"):
@@ -112,7 +113,8 @@ def command(**params: Any) -> None:
         if params["start_delay"]:
             time.sleep(params["start_delay"])
         epoch = params["epoch"] if params["epoch"] is not None else time.time()
-        schedule = Schedule(None if params["topspeed"] else params["speedup"])
+        # an engine's step times jitter by more than a sleep overshoot: no spinning needed
+        schedule = Schedule(None if params["topspeed"] else params["speedup"], spin_s=0.0)
         display = _live_display(fleet, params, counts)
         for t, worker, events in fleet.run():
             schedule.wait(t)
@@ -130,7 +132,8 @@ def command(**params: Any) -> None:
         if display is not None:
             display.stop()
         target.close()
-    result = {**fleet.stats(), **counts}
+    result = {**fleet.stats(), **counts, "wall_s": round(time.monotonic() - started, 3),
+              "cpu_s": round(time.process_time() - cpu_started, 3)}
     if params["as_json"]:
         click.echo(dumps(result))
     else:
