@@ -214,6 +214,9 @@ class LiveSource:
                     self._open_nats(spec, nats_options, subjects, from_start)
             if connect_timeout > 0:
                 self._wait_connected(connect_timeout)
+            else:
+                for sub in self.subscribers:
+                    sub.stop_monitor()
         except BaseException:
             self.close()
             raise

@@ -254,3 +254,16 @@ def test_ipc_endpoint(tmp_path):
         engine.close()
     assert rc == 0, err
     assert json_lines(out)[0]["source"] == engine.endpoint
+
+
+@pytest.mark.parametrize("connect_timeout", [5.0, 0.0])
+def test_connection_monitor_is_off_once_running(engine, connect_timeout):
+    """An unread monitor fills up with reconnect events while a publisher is gone and then
+    blocks libzmq's I/O thread: tap froze minutes after its engine exited."""
+    from kvctl.pipeline import LiveSource, SourceSpec
+
+    source = LiveSource([SourceSpec.parse(engine.endpoint)], connect_timeout=connect_timeout)
+    try:
+        assert all(sub._monitor.closed for sub in source.subscribers)
+    finally:
+        source.close()
