@@ -72,12 +72,21 @@ class Subscriber:
                 return False
             if self._monitor.poll(int(min(remaining, 0.05) * 1000) + 1):
                 self.poll_connection()
+        self.stop_monitor()
         return True
 
-    def close(self) -> None:
+    def stop_monitor(self) -> None:
+        """Nobody reads the monitor after start-up: left on, its events (ten reconnect
+        attempts a second while a publisher is gone) fill the queue and block libzmq's I/O
+        thread, freezing the process."""
+        if self._monitor.closed:
+            return
         with contextlib.suppress(zmq.ZMQError):
             self.socket.disable_monitor()
         self._monitor.close(0)
+
+    def close(self) -> None:
+        self.stop_monitor()
         self.socket.close(0)
 
 
