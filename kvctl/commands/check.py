@@ -1,0 +1,188 @@
+"""kvctl check: read KV-event streams (live or recorded) and report what would break a
+KV-aware router."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+import click
+
+from ..checks import ERROR, INFO, RULES, WARNING, Checker, Finding, Report
+from ..errors import ExitCode
+from ..events import Batch
+from ..options import filter_options, limit_options, source_arguments
+from ..pipeline import Summary
+from ..session import Interrupted, live_addresses, read
+
+_SEVERITY_STYLE = {ERROR: "red", WARNING: "yellow", INFO: "cyan"}
+
+
+def finding_line(f: Finding) -> str:
+    where = [f.source] if f.source else []
+    if f.seq is not None:
+        where.append(f"seq {f.seq}")
+    if f.worker is not None:
+        where.append(f"worker {f.worker}")
+    if f.hash is not None:
+        where.append(f"hash {f.to_json()['hash']}")
+    return f"{f.rule} {f.severity} {f.name}: {f.message}" + (
+        f" ({', '.join(where)})" if where else "")
+
+
+def failed(report: Report, fail_on: str) -> bool:
+    if fail_on == "never":
+        return False
+    if fail_on == "warning":
+        return report.count(ERROR) + report.count(WARNING) > 0
+    return report.has_errors
+
+
+def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    counts = (f"{report.count(ERROR)} errors, {report.count(WARNING)} warnings, "
+              f"{report.count(INFO)} infos in {report.batches} batches / {report.events} events"
+              f" from {len(report.workers)} workers")
+    if report.results:
+        # A compact table first (fits 80 columns), then the examples of each rule as plain
+        # lines: examples carry long endpoints and hashes that a table cell would mangle.
+        table = Table(title="kvctl check: findings by rule", title_justify="left")
+        table.add_column("rule", no_wrap=True)
+        table.add_column("name", no_wrap=True)
+        table.add_column("severity", no_wrap=True)
+        table.add_column("count", justify="right")
+        table.add_column("summary", overflow="fold")
+        for res in report.results:
+            style = _SEVERITY_STYLE.get(res.rule.severity, "")
+            table.add_row(res.rule.id, res.rule.name, f"[{style}]{res.rule.severity}[/]",
+                          str(res.count), escape(res.rule.summary))
+        console.print(table)
+        console.print("First examples:")
+        for res in report.results:
+            for f in res.examples[:3]:
+                console.print(f"  {escape(finding_line(f))}")
+            if res.count > 3:
+                console.print(f"  [dim]{res.rule.id}: … {res.count - 3} more[/]")
+    verdict = "[bold red]FAIL[/]" if fail else "[bold green]OK[/]"
+    workers = f": {escape(', '.join(report.workers))}" if 0 < len(report.workers) <= 8 else ""
+    console.print(f"{verdict}: {counts}{workers}; stopped by {summary.stopped_by}")
+
+
+@click.command("check")
+@source_arguments
+@filter_options
+@limit_options
+@click.option("--block-size", type=click.IntRange(min=1), metavar="N",
+              help="Block size (tokens per block) the router expects; other sizes are KV202.")
+@click.option("--num-blocks", type=click.IntRange(min=1), metavar="N",
+              help="KV-cache capacity per worker in blocks; holding more is KV104.")
+@click.option("--expect-workers", type=click.IntRange(min=1), metavar="N",
+              help="Workers that must publish (KV306 when fewer did, checked once "
+                   "--idle-timeout has passed, else at the end).")
+@click.option("--fail-on", type=click.Choice(["error", "warning", "never"]), default="error",
+              show_default=True, help="Lowest severity that makes the exit code 3.")
+@click.option("--max-examples", type=click.IntRange(min=1), default=5, show_default=True,
+              metavar="N", help="Findings printed live and kept as examples, per rule.")
+@click.option("--json", "as_json", is_flag=True,
+              help="The report as one JSON object on stdout (live findings stay on stderr).")
+@click.option("-q", "--quiet", is_flag=True, help="No live findings or summary on stderr.")
+def command(**params: Any) -> None:
+    """Check KV-event streams for what breaks KV-aware routing.
+
+    Reads SOURCEs like tap (ZMQ endpoints, NATS servers, or a recording) until a stop
+    condition (-c, --duration, --idle-timeout, end of a recording, Ctrl-C). Findings print on
+    stderr as they happen, one line each with its rule id; at the end a report grouped by rule
+    (id, name, severity, count, first examples) goes to stdout, or one JSON object with --json.
+
+    Exit status: 0 when no error-severity finding (warnings and infos alone exit 0 unless
+    --fail-on warning), 3 when there were (use it in CI), 1 when a source cannot be read, 130
+    on Ctrl-C (the report is still printed). Sources that published nothing are KV306.
+    --worker narrows the check to some workers; --type hides the other event types from the
+    cache model too, so expect KV101/KV102 findings with it.
+
+    \b
+    Example:
+      kvctl check tcp://127.0.0.1:5557 --block-size 16 --duration 60
+      kvctl check 0=tcp://10.0.0.1:5557 1=tcp://10.0.0.2:5557 --expect-workers 2 \\
+          --idle-timeout 30 --json > report.json
+      kvctl check nats://127.0.0.1:4222 --num-blocks 8192 --fail-on warning -c 100000
+    """
+    from rich.console import Console
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    quiet = params["quiet"]
+    max_examples = params["max_examples"]
+    checker = Checker(block_size=params["block_size"], num_blocks=params["num_blocks"],
+                      expect_workers=params["expect_workers"], max_examples=max_examples)
+    announced: set[str] = set()
+    addresses: list[str] = []
+
+    def say(findings: list[Finding]) -> None:
+        if quiet:
+            return
+        from rich.markup import escape
+
+        for f in findings:
+            style = _SEVERITY_STYLE.get(f.severity, "")
+            err.print(f"[{style}]kvctl: {escape(finding_line(f))}[/]")
+            res = checker.results.get(f.rule)
+            if res is not None and res.count >= max_examples and f.rule not in announced:
+                announced.add(f.rule)
+                err.print(f"[dim]kvctl: {f.rule}: further findings are counted, not printed[/]")
+
+    def consume(batch: Batch) -> None:
+        found = checker.feed(batch)
+        if found:
+            say(found)
+
+    idle = params["idle_timeout"]
+    started = time.monotonic()
+    silent_checked = False
+
+    def tick() -> bool:
+        # Expected workers must have published within --idle-timeout of the start; the
+        # pipeline's own idle stop only fires when *every* source is quiet.
+        nonlocal silent_checked
+        if idle is not None and not silent_checked and time.monotonic() - started >= idle:
+            silent_checked = True
+            say(checker.check_silent(addresses))
+        return True
+
+    def on_open(source: Any) -> None:
+        nonlocal started
+        started = time.monotonic()  # --idle-timeout counts from connected, like the pipeline's
+        addresses.extend(live_addresses(source, params["sources"]))
+        if not quiet:
+            err.print(f"[dim]kvctl: checking {', '.join(params['sources'])}[/]")
+
+    interrupted = False
+    try:
+        summary = read(params, consume, tick, on_open)
+    except KeyboardInterrupt as exc:
+        summary = getattr(exc, "summary", Summary(stopped_by="interrupt"))
+        interrupted = True
+    say(checker.check_silent(addresses))
+    report = checker.finish(addresses)
+    fail = failed(report, params["fail_on"])
+    code = ExitCode.INTERRUPTED if interrupted else ExitCode.FINDINGS if fail else ExitCode.OK
+    if params["as_json"]:
+        from ..output import dumps
+
+        click.echo(dumps({**report.to_json(), "failed": fail, "fail_on": params["fail_on"],
+                          "exit_code": int(code), "stream": summary.to_json()}))
+    else:
+        print_report(report, summary, fail, Console(highlight=False, soft_wrap=True))
+    if interrupted:
+        raise Interrupted(summary.line())
+    if not quiet:
+        err.print(f"[dim]kvctl: {summary.line()}[/]")
+    if fail:
+        raise click.exceptions.Exit(int(ExitCode.FINDINGS))
+
+
+# The rule table in --help too: one source of truth (kvctl.checks.RULES).
+command.help = inspect.cleandoc(command.help or "") + "\n\n\b\nRules:\n" + "\n".join(
+    f"  {r.id}  {r.severity:<7}  {r.name}: {r.summary}" for r in RULES.values())
