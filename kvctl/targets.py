@@ -45,7 +45,9 @@ def split_endpoint(endpoint: str) -> tuple[str, int | None]:
 class ZmqTarget:
     """Engine-style PUB sockets that bind: one socket, or one per worker on consecutive ports
     (``port + i``, as vLLM does per DP rank). Each socket has its own seq from 0 unless
-    ``keep_seq``; an optional replay ROUTER per socket on ``replay_port + i``."""
+    ``keep_seq``; an optional replay ROUTER per socket on ``replay_port + i``. With
+    ``worker_topics=MODEL`` every message carries the topic ``kv@<worker>@MODEL``, so several
+    workers can share one socket and stay apart."""
 
     def __init__(
         self,
@@ -56,6 +58,7 @@ class ZmqTarget:
         replay_port: int | None = None,
         array_layout: str = engine_zmq.DEFAULT_ARRAY_LAYOUT,
         buffer_steps: int = 10_000,
+        worker_topics: str | None = None,
     ) -> None:
         if encoding not in ZMQ_FORMATS:
             raise UsageError(f"--format {encoding} is not a ZMQ format: {', '.join(ZMQ_FORMATS)}")
@@ -69,6 +72,7 @@ class ZmqTarget:
         self.replay_port = replay_port
         self.array_layout = array_layout
         self.buffer_steps = buffer_steps
+        self.worker_topics = worker_topics
         self.slots: dict[Any, int] = {}
         self.sockets: list[Any] = []
         self.seqs: list[int] = []
@@ -113,10 +117,17 @@ class ZmqTarget:
     def frames(self, batch: Batch, events: list[Event], slot: int) -> list[bytes]:
         seq = batch.seq if self.keep_seq and batch.seq is not None else self.seqs[slot]
         self.seqs[slot] = seq + 1
-        topic = batch.topic.encode() if batch.topic and batch.format.startswith("engine") else b""
+        if self.worker_topics and batch.worker_id is not None:
+            # llm-d's convention: consumers (kvctl tap too) read the worker from the topic
+            topic = f"kv@{batch.worker_id}@{self.worker_topics}".encode()
+        elif batch.topic and batch.format.startswith("engine"):
+            topic = batch.topic.encode()
+        else:
+            topic = b""
         if self.encoding == "raw":
             if len(batch.frames) == 3 and batch.format.startswith("engine"):
-                return [batch.frames[0], seq.to_bytes(8, "big"), batch.frames[2]]
+                recorded_topic = topic if self.worker_topics else batch.frames[0]
+                return [recorded_topic, seq.to_bytes(8, "big"), batch.frames[2]]
             if len(batch.frames) == 1 and batch.format.startswith("engine"):  # relayed on NATS
                 return [topic, seq.to_bytes(8, "big"), batch.frames[0]]
             raise UsageError(f"--format raw needs engine batches; this source is {batch.format}"
@@ -236,7 +247,7 @@ def open_target(to: str, encoding: str | None, **kwargs: Any) -> ZmqTarget | Nat
         return NatsTarget(to, encoding or "dynamo",
                           **{k: v for k, v in kwargs.items() if k in nats_keys and v is not None})
     if to.startswith(("tcp://", "ipc://", "inproc://")):
-        zmq_keys = ("per_worker", "keep_seq", "replay_port", "array_layout")
+        zmq_keys = ("per_worker", "keep_seq", "replay_port", "array_layout", "worker_topics")
         return ZmqTarget(to, encoding or "vllm",
                          **{k: v for k, v in kwargs.items() if k in zmq_keys and v is not None})
     raise UsageError(f"--to {to}: expected tcp://HOST:PORT, ipc://PATH or nats://HOST:PORT")

@@ -143,6 +143,15 @@ def test_loop_with_unique_hashes_gives_new_but_chained_blocks(recording):
                if r["type"] == "BlockStored" and r["parent_block_hash"] is not None)
 
 
+def test_several_workers_on_one_socket_with_topics(recording):
+    path, batches = recording
+    rows, _ = replay_into_tap(path, "--topspeed", "--worker-topics", "llama")
+    assert {(r["topic"], r["worker_id"]) for r in rows} == {("kv@0@llama", "0"),
+                                                            ("kv@1@llama", "1")}
+    assert [r["block_hashes"] for r in rows if r["worker_id"] == "1"] == [
+        e["block_hashes"] for b in batches if str(b.worker_id) == "1" for e in b.events]
+
+
 def test_replay_router_serves_buffered_batches_and_the_end_marker(recording):
     path, batches = recording
     replay_port = free_port()

@@ -23,6 +23,9 @@ target_options = [
     click.option("--port-per-worker", is_flag=True,
                  help="One PUB per worker on consecutive ports (port + i), like vLLM DP ranks."),
     click.option("--keep-seq", is_flag=True, help="Send the recorded seq instead of a fresh one."),
+    click.option("--worker-topics", metavar="MODEL",
+                 help="All workers on one socket, each message on topic kv@<worker>@MODEL "
+                      "(llm-d's convention; tap reads the worker back from it)."),
     click.option("--replay-port", type=click.IntRange(1, 65535), metavar="PORT",
                  help="Serve a vLLM-style replay ROUTER on PORT (+ i per worker)."),
     click.option("--wait-subscribers", type=click.IntRange(min=0), default=0, metavar="N",
@@ -48,7 +51,8 @@ def open_target_from(params: dict[str, Any]) -> Any:
 
     return open_target(params["to"], params["encoding"], per_worker=params["port_per_worker"],
                        keep_seq=params["keep_seq"], replay_port=params["replay_port"],
-                       array_layout=params["array_layout"], namespace=params["namespace"],
+                       array_layout=params["array_layout"],
+                       worker_topics=params["worker_topics"], namespace=params["namespace"],
                        component=params["component"], endpoint=params["dynamo_endpoint"])
 
 
