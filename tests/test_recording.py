@@ -138,18 +138,31 @@ def test_signed_hashes_and_gap_rows() -> None:
     assert back[1] == Gap(("s", 7), 2, 4, 5, "s") and back[1].missing == 3
 
 
-def write_all(path: Path, batches: list[Batch], **kw) -> dict:
+# Two write paths: "raw" journals the message (frames + labels) and the converter decodes it
+# again (what `kvctl record` does with live sources); "exact" journals the batch as given.
+MODES = ["raw", "exact"]
+
+
+def put(w: RecordingWriter, batches: Batch | list[Batch], mode: str = "raw") -> None:
+    for b in [batches] if isinstance(batches, Batch) else batches:
+        if mode == "raw":
+            w.write_message(b)
+        else:
+            w.write(b)
+
+
+def write_all(path: Path, batches: list[Batch], mode: str = "raw", **kw) -> dict:
     w = RecordingWriter(path, metadata={"sources": ["tcp://x"], "argv": ["kvctl", "record"]},
                         **kw)
-    for b in batches:
-        w.write(b)
+    put(w, batches, mode)
     return w.close()
 
 
-def test_writer_reader_round_trip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_writer_reader_round_trip(tmp_path: Path, mode: str) -> None:
     batches = all_format_batches() * 3
     out = tmp_path / "run.parquet"
-    summary = write_all(out, batches)
+    summary = write_all(out, batches, mode)
     assert out.exists() and not (tmp_path / "run.parquet.journal").exists()
     assert summary["batches"] == len(batches) and summary["malformed"] == 9
     assert summary["events"] == sum(len(b.events) for b in batches)
@@ -164,13 +177,14 @@ def test_writer_reader_round_trip(tmp_path: Path) -> None:
     assert pq.ParquetFile(out).metadata.row_group(0).column(0).compression == "ZSTD"
 
 
-def test_info_and_gaps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_info_and_gaps(tmp_path: Path, mode: str) -> None:
     out = tmp_path / "run.parquet"
     batches = all_format_batches()
     w = RecordingWriter(out, background=False)
-    w.write(batches[:5])
+    put(w, batches[:5], mode)
     w.write_gap("tcp://127.0.0.1:5557", 3, 9, recv_ns=5)
-    w.write(batches[5:])
+    put(w, batches[5:], mode)
     summary = w.close()
     assert summary["gaps"] == 1 and summary["missing"] == 7
     info = recording_info(out)
@@ -199,21 +213,23 @@ import sys, time
 sys.path.insert(0, {tests!r})
 from test_recording import all_format_batches
 from kvctl.transports.files import RecordingWriter
+from test_recording import put
 w = RecordingWriter({out!r}, flush_interval=0.2)
 batches = all_format_batches()
-w.write(batches)
+put(w, batches, {mode!r})
 w.flush()                      # explicit flush
-w.write(batches)               # left to the background flusher (<= flush_interval)
+put(w, batches, {mode!r})      # left to the background flusher (<= flush_interval)
 time.sleep(0.8)
 print("ready", flush=True)
-w.write(batches)               # never flushed: lost with the process
+put(w, batches, {mode!r})      # never flushed: lost with the process
 time.sleep(60)
 """
 
 
-def test_kill_9_then_recover(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_kill_9_then_recover(tmp_path: Path, mode: str) -> None:
     out = tmp_path / "run.parquet"
-    script = KILL_SCRIPT.format(tests=str(REPO / "tests"), out=str(out))
+    script = KILL_SCRIPT.format(tests=str(REPO / "tests"), out=str(out), mode=mode)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)],
                             stdout=subprocess.PIPE, env=env)
@@ -239,10 +255,12 @@ def test_kill_9_then_recover(tmp_path: Path) -> None:
     assert recover(torn) == tmp_path / "torn.parquet"
 
 
-def test_rotation_by_size(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_rotation_by_size(tmp_path: Path, mode: str) -> None:
     out = tmp_path / "run"
     batches = all_format_batches() * 8
-    summary = write_all(out, batches, rotate_size=20_000, flush_rows=20, background=False)
+    summary = write_all(out, batches, mode, rotate_size=20_000, flush_rows=20,
+                        background=False)
     parts = sorted(p.name for p in out.glob("part-*.parquet"))
     assert len(parts) > 2 and len(summary["files"]) == len(parts)
     assert not list(out.glob(".*"))  # no journal or temp left
@@ -266,7 +284,7 @@ def test_rotation_by_time(tmp_path: Path) -> None:
     deadline = time.time() + 0.9
     written = []
     while time.time() < deadline:
-        w.write(batches[len(written) % len(batches)])
+        w.write_message(batches[len(written) % len(batches)])
         written.append(batches[(len(written)) % len(batches)])
         time.sleep(0.02)
     w.close()
@@ -283,13 +301,18 @@ def test_recover_segment_directory(tmp_path: Path) -> None:
     out = tmp_path / "run"
     w = RecordingWriter(out, rotate_size=10_000, flush_rows=10, background=False)
     batches = all_format_batches() * 4
-    for b in batches:
-        w.write(b)
-    w.write(batches[-1])  # one row, well below the rotation size: its segment stays open
+    put(w, batches)
+    w.write_message(batches[-1])  # one row, well below the rotation size: it stays open
     w.flush()
     batches.append(batches[-1])
-    # simulate a crash: abandon the writer (journal of the open segment stays behind)
-    w._converter.shutdown(wait=True)
+    # simulate a crash once the finished segments are converted: the converter process is
+    # killed and the writer abandoned (the journal of the open segment stays behind)
+    deadline = time.monotonic() + 30
+    while any(s.sealed_info is not None for s in w._open) and time.monotonic() < deadline:
+        w.flush()
+        time.sleep(0.02)
+    assert list(out.glob("part-*.parquet"))
+    w._converter.kill()
     assert list(out.glob(".part-*.journal"))
     assert list(open_recording(out)) == batches  # finished segments + live journal
     assert recover(out) == out
@@ -302,7 +325,7 @@ def test_recover_segment_directory(tmp_path: Path) -> None:
 def test_journal_is_ipc_stream(tmp_path: Path) -> None:
     out = tmp_path / "r.parquet"
     w = RecordingWriter(out, background=False)
-    w.write(all_format_batches())
+    put(w, all_format_batches())
     w.flush()
     rbs = list(read_journal(tmp_path / "r.parquet.journal"))
     assert sum(rb.num_rows for rb in rbs) > 0
@@ -379,3 +402,118 @@ def test_batch_without_events_keeps_frames(n: int) -> None:
     assert rb.num_rows == 1
     assert rb.column("type")[0].as_py() == ("Malformed" if n else None)
     assert record_batch_to_batches(rb) == [b]
+
+
+# --- the converter process ----------------------------------------------------------------------
+
+
+def _wait(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("restarts", [3, 0])
+def test_converter_death_loses_nothing(tmp_path: Path, monkeypatch, restarts: int) -> None:
+    """kill -9 of the converter mid-recording: recording goes on, and the next converter (or,
+    when none may be started, close itself) converts everything from the journals."""
+    from kvctl.transports import files
+
+    monkeypatch.setattr(files, "CONVERTER_RESTARTS", restarts)
+    out = tmp_path / "run"
+    w = RecordingWriter(out, rotate_size=15_000, flush_interval=0.05)
+    assert w.converter_ready()
+    batches = all_format_batches() * 6
+    put(w, batches[:60])
+    w.flush()
+    first = w._converter.pid
+    os.kill(first, signal.SIGKILL)
+    put(w, batches[60:])
+    w.flush()
+    if restarts:
+        _wait(lambda: w._converter is not None and w._converter.pid != first)
+    summary = w.close()
+    assert summary["converter"]["restarts"] == (1 if restarts else 0)
+    assert (summary["converter"]["inline_conversions"] > 0) == (not restarts)
+    assert not list(out.glob(".*"))  # no journal or temp file of the dead converter left
+    assert list(open_recording(out)) == batches
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["complete"] and manifest["counts"]["batches"] == len(batches)
+
+
+def test_lagging_converter_still_closes_complete(tmp_path: Path) -> None:
+    """A burst while the converter cannot keep up (here: stopped) is held on disk, not in
+    memory; close waits for the converter to catch up and the file is complete."""
+    out = tmp_path / "burst.parquet"
+    w = RecordingWriter(out, flush_rows=64)
+    assert w.converter_ready()
+    os.kill(w._converter.pid, signal.SIGSTOP)
+    try:
+        batches = all_format_batches() * 40
+        put(w, batches)
+        w.flush()
+        journal = tmp_path / "burst.parquet.journal"
+        assert sum(rb.num_rows for rb in read_journal(journal)) == len(batches)
+        assert not out.exists()  # nothing converted yet: the journal is the buffer
+    finally:
+        os.kill(w._converter.pid, signal.SIGCONT)
+    summary = w.close()
+    assert summary["converter"]["inline_conversions"] == 0  # the converter did the work
+    assert summary["batches"] == len(batches)
+    assert list(open_recording(out)) == batches
+    assert not (tmp_path / "burst.parquet.journal").exists()
+
+
+def test_parent_death_leaves_the_journal_to_recover(tmp_path: Path) -> None:
+    """The converter notices its recorder died (end of stdin), removes its temp file and
+    leaves the journal alone: `recover` then converts it."""
+    out = tmp_path / "run.parquet"
+    script = KILL_SCRIPT.format(tests=str(REPO / "tests"), out=str(out), mode="raw")
+    script = script.replace('print("ready", flush=True)',
+                            'print("ready", w._converter.pid, flush=True)')
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)],
+                            stdout=subprocess.PIPE, env=env)
+    try:
+        line = proc.stdout.readline().split()
+        assert line[0] == b"ready"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    converter = int(line[1])
+    _wait(lambda: not _running(converter))
+    assert not list(tmp_path.glob(".*.tmp")) and not out.exists()
+    assert recover(out) == out
+    assert list(open_recording(out)) == all_format_batches() * 2
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (not yet reaped by init) is gone too
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_filters_and_cut_are_reproduced(tmp_path: Path) -> None:
+    """What the pipeline kept (filters, then -c on the last batch) is what the file holds,
+    with labels from the journal header (as `kvctl record` writes them)."""
+    from kvctl.pipeline import Filters
+
+    filters = Filters(types=frozenset({"BlockStored"}))
+    src = "tcp://127.0.0.1:5557"
+    batches = [b for b in all_format_batches() if b.source == src]
+    out = tmp_path / "f.parquet"
+    w = RecordingWriter(out, filters=filters, labels={src: (None, None)})
+    kept = []
+    for b in batches:
+        events = filters.apply(b)
+        if b is batches[-1]:
+            events = events[:2]
+        w.write_message(b, events)
+        kept.append(Batch(**{**{f: getattr(b, f) for f in b.__slots__}, "events": events}))
+    w.close()
+    assert list(open_recording(out)) == kept
+    assert json.loads(pq.ParquetFile(out).metadata.metadata[b"kvctl"]).get("mismatches") is None

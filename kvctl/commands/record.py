@@ -56,7 +56,7 @@ def command(**params: Any) -> None:
       duckdb -c "SELECT type, count(*) FROM 'run.parquet' GROUP BY 1"
     """
     from ..output import StderrDiagnostics, dumps
-    from ..pipeline import Summary, run
+    from ..pipeline import LiveSource, Summary, run
     from ..session import Interrupted, make_filters, make_limits, open_source
     from ..transports.files import RecordingWriter
 
@@ -64,9 +64,11 @@ def command(**params: Any) -> None:
     rotate_every = _parse(params["rotate_every"], _TIME_UNITS, "time interval (e.g. 5m)")
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
     source = open_source(params["sources"], **connection_kwargs(params))
+    filters = make_filters(params)
     writer = RecordingWriter(
         params["output"], rotate_size=int(rotate_size) if rotate_size else None,
-        rotate_every=rotate_every, fsync=params["fsync"],
+        rotate_every=rotate_every, fsync=params["fsync"], filters=filters,
+        labels=_labels(params["sources"]),
         metadata={"sources": list(params["sources"]), "command": sys.argv[1:]})
     summary = Summary()
     progress = None
@@ -74,9 +76,11 @@ def command(**params: Any) -> None:
     try:  # from here on, whatever happens, the writer is closed and the recording readable
         diagnostics.say(f"kvctl: recording {', '.join(params['sources'])} -> "
                         f"{params['output']}", "dim")
-        sink = RecordingSink(writer, diagnostics)
+        # Live batches are journalled raw (frames + labels) and decoded again by the
+        # converter; batches read back from recordings are journalled exactly.
+        sink = RecordingSink(writer, diagnostics, raw=isinstance(source, LiveSource))
         progress = None if params["quiet"] else _progress(writer, summary)
-        run(source, sink, make_limits(params), make_filters(params), sink, summary=summary)
+        run(source, sink, make_limits(params), filters, sink, summary=summary)
     except KeyboardInterrupt:
         summary.stopped_by = "interrupt"
         interrupted = True
@@ -95,13 +99,30 @@ def command(**params: Any) -> None:
     diagnostics.say(line, "dim")
 
 
+def _labels(sources: Any) -> dict[str, tuple[Any, Any]] | None:
+    """Source address -> the (worker, dp rank) labels LiveSource decodes its messages with,
+    so that the journal needs no per-message labels; None if an address repeats."""
+    from ..pipeline import SourceSpec
+
+    specs = [SourceSpec.parse(s) for s in sources]
+    labels = {s.address: (s.worker_id, s.dp_rank) for s in specs}
+    return labels if len(labels) == len(specs) else None
+
+
 class RecordingSink:
     """Writes what passes the filters, and — as the pipeline's diagnostics — also keeps every
-    malformed message and every sequence gap, while still showing them on stderr."""
+    malformed message and every sequence gap, while still showing them on stderr.
 
-    def __init__(self, writer: Any, shown: Any) -> None:
+    ``raw=True`` (batches straight from the decoders, i.e. a live source): the writer
+    journals the message (frames, labels, how many events the filters/limits kept) and the
+    conversion decodes it again; ``write`` is then the writer's own hot-path method."""
+
+    def __init__(self, writer: Any, shown: Any, raw: bool = True) -> None:
         self.writer = writer
         self.shown = shown
+        self.raw = raw
+        if raw:
+            self.write = writer.write_message  # type: ignore[method-assign]
 
     def write(self, batch: Any, events: list) -> None:
         if events is not batch.events:
@@ -109,7 +130,10 @@ class RecordingSink:
         self.writer.write(batch)
 
     def malformed(self, batch: Any) -> None:
-        self.writer.write(batch)
+        if self.raw:
+            self.writer.write_message(batch)
+        else:
+            self.writer.write(batch)
         self.shown.malformed(batch)
 
     def gap(self, publisher: Any, expected: int, got: int, recovered: int) -> None:

@@ -1,13 +1,15 @@
 """Recordings on disk: a crash-safe writer, ``recover``, and readers for cat/tap/replay/inspect.
 
-Write path. ``RecordingWriter.write`` only appends batches to an in-memory buffer; at least
-every ``flush_interval`` seconds (a background thread sees to it even when the stream goes
-quiet) or every ``flush_rows`` rows the buffer becomes one Arrow record batch appended to an
-Arrow IPC *stream* journal beside the output. A stream journal is append-only and readable up
-to its last complete message, so ``kill -9`` loses at most the last second; a Parquet file
-without its footer, by contrast, is unreadable. On ``close`` (or rotation) the journal is
-rewritten as Parquet (zstd) into a temp file that is atomically renamed into place, then the
-journal is removed. :func:`recover` does the same for a journal a crash left behind.
+Write path. The receive loop only appends a tuple of batch fields per transport message to a
+queue (:meth:`RecordingWriter.write_message`; no per-event work, no I/O). A background thread
+turns the queue into one record batch of a *raw journal* (one row per message, raw frames;
+see :mod:`kvctl.transports.journal`) appended to an Arrow IPC stream ``PATH.journal`` at least
+every ``flush_interval`` seconds, so ``kill -9`` loses at most the last second. A converter
+*subprocess* follows the journal, re-decodes the frames and writes the per-event Parquet file
+(zstd) into a temp file, atomically renamed into place when the journal is sealed (close or
+rotation); then the journal is removed. If the converter dies, recording goes on (the journal is
+the truth) and a new converter, or ``close`` itself, converts from the journal;
+:func:`recover` does the same for a journal a crash left behind.
 
 Layouts::
 
@@ -30,8 +32,8 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,223 +44,73 @@ import pyarrow.parquet as pq
 from .. import __version__
 from ..events import Batch
 from ..formats.parquet import (
-    SCHEMA,
     SCHEMA_VERSION,
     Gap,
-    batches_to_record_batch,
     columns_to_pylists,
     from_json_value,
     rows_to_batches,
+    to_json_value,
 )
+from .journal import (
+    DEFAULT_ZSTD_LEVEL,
+    JOURNAL_FORMAT,
+    METADATA_KEY,
+    ROW_GROUP_ROWS,
+    Chunk,
+    Converter,
+    JournalWriter,
+    RowBuffer,
+    event_batches,
+    exact_row,
+    gap_row,
+    journal_metadata,
+    journal_to_parquet,
+    message_fields,
+    message_fields_unlabelled,
+    read_journal,
+    remove_stale_temps,
+)
+from .journal import Counts as _Counts
 
 __all__ = ["RecordingWriter", "recover", "open_recording", "recording_info", "Gap",
-           "MANIFEST_NAME", "JOURNAL_SUFFIX"]
+           "MANIFEST_NAME", "JOURNAL_SUFFIX", "read_journal", "DEFAULT_ZSTD_LEVEL",
+           "ROW_GROUP_ROWS"]
 
 JOURNAL_SUFFIX = ".journal"
 MANIFEST_NAME = "_manifest.json"
-METADATA_KEY = "kvctl"
 _SEGMENT_RE = re.compile(r"^part-(\d{5,})\.parquet$")
 _SEGMENT_JOURNAL_RE = re.compile(r"^\.part-(\d{5,})\.parquet\.journal$")
 
-# Parquet tuning (bench/record_disk.py): random 64-bit hashes gain nothing from a dictionary,
-# so they go PLAIN (+zstd); monotonic ints delta-encode; token ids (a Zipf-like vocabulary) and
-# all strings use dictionaries. Nested columns are named by their leaf path.
-_DICT = ("source", "topic", "publisher", "worker_id", "dp_rank", "format", "event_index",
-         "recovered", "type", "hash_signed", "token_ids.list.element", "block_size", "lora_id",
-         "lora_name", "medium", "storage_tier", "fields", "error", "frames_codec")
-_DELTA = ("recv_ns", "seq", "batch_index", "event_id")
-DEFAULT_ZSTD_LEVEL = 6
-ROW_GROUP_ROWS = 64 * 1024
-
-
-def _parquet_options(compression_level: int) -> dict[str, Any]:
-    return {
-        "compression": "zstd",
-        "compression_level": compression_level,
-        "use_dictionary": list(_DICT),
-        "column_encoding": dict.fromkeys(_DELTA, "DELTA_BINARY_PACKED"),
-    }
-
-
-# --- journals -----------------------------------------------------------------------------------
-
-
-def read_journal(path: str | os.PathLike[str]) -> Iterator[pa.RecordBatch]:
-    """Every complete record batch of an IPC stream journal; a torn tail (the process died
-    mid-write, or a writer is still appending) just ends the iteration."""
-    try:
-        source = pa.memory_map(str(path), "r")
-    except (OSError, pa.ArrowException):
-        return
-    with source:
-        try:
-            reader = pa.ipc.open_stream(source)
-        except (OSError, pa.ArrowException):
-            return  # not even a complete schema message: nothing was flushed
-        while True:
-            try:
-                rb = reader.read_next_batch()
-            except StopIteration:
-                return
-            except (OSError, pa.ArrowException):
-                return
-            yield rb
+CONVERTER_RESTARTS = 3  # a converter that keeps dying: the rest is converted at close
+CONVERTER_NICE = 19  # the receive loop comes first; conversion uses idle CPU (disk buffers)
+CONVERTER_STALL_S = 60.0  # at close: a converter silent this long is replaced by inline work
+MAX_READY_CHUNKS = 16  # built chunks waiting for the I/O thread before the caller writes them
 
 
 def _journal_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    try:
-        with pa.memory_map(str(path), "r") as source:
-            meta = pa.ipc.open_stream(source).schema.metadata or {}
-    except (OSError, pa.ArrowException):
-        return {}
-    raw = meta.get(METADATA_KEY.encode())
-    return json.loads(raw) if raw else {}
-
-
-class _Counts:
-    """Running counts over written rows (kept by the writer, recomputed by recover/inspect)."""
-
-    FIELDS = ("rows", "batches", "events", "malformed", "gaps", "missing", "raw_bytes")
-
-    def __init__(self) -> None:
-        self.rows = self.batches = self.events = self.malformed = 0
-        self.gaps = self.missing = self.raw_bytes = 0
-        self.first_recv_ns: int | None = None
-        self.last_recv_ns: int | None = None
-        self.first_batch_index: int | None = None
-        self.last_batch_index: int | None = None
-
-    def add_record_batch(self, rb: pa.RecordBatch) -> None:
-        n = rb.num_rows
-        if not n:
-            return
-        self.rows += n
-        self.events += n - rb.column("event_index").null_count
-        raw_size = rb.column("raw_size")
-        self.batches += n - raw_size.null_count
-        self.malformed += n - rb.column("error").null_count
-        self.raw_bytes += pc.sum(raw_size).as_py() or 0
-        bi = rb.column("batch_index")
-        if bi.null_count:
-            for extra in rb.column("extra").filter(pc.is_null(bi)).to_pylist():
-                self.gaps += 1
-                self.missing += json.loads(extra).get("missing", 0) if extra else 0
-        self._span("recv_ns", pc.min_max(rb.column("recv_ns")).as_py())
-        self._span("batch_index", pc.min_max(bi).as_py())
-
-    def _span(self, name: str, mm: dict[str, Any]) -> None:
-        lo, hi = mm["min"], mm["max"]
-        if lo is None:
-            return
-        first, last = f"first_{name}", f"last_{name}"
-        if getattr(self, first) is None or lo < getattr(self, first):
-            setattr(self, first, lo)
-        if getattr(self, last) is None or hi > getattr(self, last):
-            setattr(self, last, hi)
-
-    def merge(self, other: _Counts) -> None:
-        for f in self.FIELDS:
-            setattr(self, f, getattr(self, f) + getattr(other, f))
-        for name in ("recv_ns", "batch_index"):
-            first = getattr(other, f"first_{name}")
-            if first is not None:
-                self._span(name, {"min": first, "max": getattr(other, f"last_{name}")})
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {f: getattr(self, f) for f in self.FIELDS}
-        out.update(first_recv_ns=self.first_recv_ns, last_recv_ns=self.last_recv_ns,
-                   first_batch_index=self.first_batch_index,
-                   last_batch_index=self.last_batch_index)
-        return out
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _journal_to_parquet(journal: Path, target: Path, info: dict[str, Any],
-                        compression_level: int = DEFAULT_ZSTD_LEVEL) -> dict[str, Any]:
-    """Rewrite a (possibly torn) journal as Parquet: temp file, fsync, atomic rename, then
-    remove the journal. Returns the file's kvctl metadata (with counts)."""
-    tmp = target.with_name(f".{target.name}.tmp")
-    counts = _Counts()
-    writer = pq.ParquetWriter(tmp, SCHEMA, **_parquet_options(compression_level))
-    try:
-        pending: list[pa.RecordBatch] = []
-        pending_rows = 0
-        for rb in read_journal(journal):
-            counts.add_record_batch(rb)
-            pending.append(rb)
-            pending_rows += rb.num_rows
-            if pending_rows >= ROW_GROUP_ROWS:
-                # Row groups of ~64k rows: big enough for zstd, small enough for flat RSS.
-                writer.write_table(pa.Table.from_batches(pending, SCHEMA))
-                pending, pending_rows = [], 0
-        if pending:
-            writer.write_table(pa.Table.from_batches(pending, SCHEMA))
-        meta = dict(info)
-        meta.update(kvctl_version=__version__, schema_version=SCHEMA_VERSION,
-                    counts=counts.as_dict())
-        writer.add_key_value_metadata({METADATA_KEY: json.dumps(meta)})
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    writer.close()
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    _fsync_dir(target.parent)
-    journal.unlink(missing_ok=True)
-    meta["bytes"] = target.stat().st_size
-    return meta
+    return journal_metadata(path)
 
 
 # --- the writer ---------------------------------------------------------------------------------
 
-_ROTATE = object()  # marker in the write buffer: a time boundary passed here
+_ROTATE = object()  # marker in the write queue: a time boundary passed here
 
 
-class _Journal:
-    def __init__(self, path: Path, info: dict[str, Any]) -> None:
-        self.path = path
-        self.info = info
-        self.sink = pa.OSFile(str(path), "wb")
-        schema = SCHEMA.with_metadata({**SCHEMA.metadata,
-                                       METADATA_KEY.encode(): json.dumps(info).encode()})
-        self.writer = pa.ipc.new_stream(self.sink, schema)
-        self.rows = 0
-        self.bytes = self.sink.tell()
+class _Segment:
+    """A journal not yet converted: being written, or sealed and waiting for the converter."""
 
-    def write(self, rb: pa.RecordBatch, fsync: bool) -> None:
-        self.writer.write_batch(rb)
-        self.rows += rb.num_rows
-        self.bytes = self.sink.tell()
-        self.sink.flush()  # OSFile writes straight to the fd: the data is in the page cache
-        if fsync:
-            os.fsync(self.sink.fileno())
-
-    def close(self) -> None:
-        self.writer.close()
-        self.bytes = self.sink.tell()
-        self.sink.close()
+    def __init__(self, journal: JournalWriter, target: Path) -> None:
+        self.journal = journal
+        self.target = target
+        self.sealed_info: dict[str, Any] | None = None
 
 
 class RecordingWriter:
     """Record batches (and gaps) to ``path``: one Parquet file, or with ``rotate_size`` /
     ``rotate_every`` a directory of segments plus ``_manifest.json``.
 
-    Thread-safe: ``write`` may be called from a receive loop while a background thread
-    flushes the journal and another converts finished segments to Parquet.
+    ``write_message``/``write``/``write_gap`` are called from one thread (the receive loop)
+    while a background thread writes the journal and talks to the converter process.
     """
 
     def __init__(
@@ -269,17 +121,26 @@ class RecordingWriter:
         rotate_every: float | None = None,
         metadata: dict[str, Any] | None = None,
         flush_interval: float = 1.0,
-        flush_rows: int = 16 * 1024,
+        flush_rows: int = 2048,
         fsync: bool = False,
         compression_level: int = DEFAULT_ZSTD_LEVEL,
         raw_frames: str = "auto",
         background: bool = True,
+        filters: Any = None,
+        labels: dict[str, tuple[Any, Any]] | None = None,
+        converter: bool = True,
     ) -> None:
         """``metadata`` (JSON-able: sources, command line, ...) lands in every file's footer,
         the journal header and the manifest. ``rotate_size`` is in bytes of Parquet
         (estimated from the journal size and the previous segment's compression ratio);
         ``rotate_every`` in seconds, segments starting on multiples of it (60 -> at :00).
-        ``raw_frames``: see :func:`~kvctl.formats.parquet.batches_to_record_batch`."""
+        ``flush_rows``: messages queued before a flush is due regardless of time.
+        ``raw_frames``: see :func:`~kvctl.formats.parquet.batches_to_record_batch`.
+        ``filters`` (a :class:`~kvctl.pipeline.Filters`): what the pipeline applied to the
+        batches given to :meth:`write_message`; the conversion applies it again.
+        ``labels``: source address -> (worker label, dp rank label) as the decoder got them
+        (``SourceSpec``); then :meth:`write_message` journals no per-message labels.
+        ``converter=False``: no converter process; journals are converted at close."""
         if rotate_size is not None and rotate_size <= 0:
             raise ValueError("rotate_size must be positive")
         if rotate_every is not None and rotate_every <= 0:
@@ -294,38 +155,46 @@ class RecordingWriter:
         self.fsync = fsync
         self.compression_level = compression_level
         self.raw_frames = raw_frames
+        self.filters = ({"types": sorted(filters.types), "workers": sorted(filters.workers)}
+                        if filters is not None else None)
         self.start_ns = time.time_ns()
 
-        self._buf_lock = threading.Lock()  # guards the buffer and counters (held briefly)
-        self._io_lock = threading.RLock()  # serialises journal writes and rotation
-        self._meta_lock = threading.Lock()  # segment list + manifest (converter thread)
-        self._buffer: list[Any] = []
-        self._buffer_rows = 0
+        self.labels = ({k: to_json_value(list(v)) for k, v in labels.items()}
+                       if labels is not None else None)
+        self._fields = message_fields if labels is None else message_fields_unlabelled
+        self._buf = RowBuffer(labelled=labels is None)  # what the receive loop appends to
+        self._busy = False  # the writing thread is appending to a buffer (see _cut)
+        self._ready: deque[Any] = deque()  # built chunks (and rotation marks) to write
+        self._cut_lock = threading.Lock()  # one builder at a time keeps the order
+        self._io_lock = threading.RLock()  # serialises journal writes, rotation, converter
         self._last_flush = time.monotonic()
         self._next_index = 0
-        self._journal: _Journal | None = None
+        self._journal: JournalWriter | None = None
+        self._open: list[_Segment] = []  # journals not converted yet, in order
         self._segment = 0
         self._segments: list[dict[str, Any]] = []
-        self._pending: list[Future[dict[str, Any]]] = []
-        self._ratio = 1.0  # parquet bytes / journal bytes of the last segment
+        self._ratio = 1.0  # parquet bytes / journal bytes of the last converted segment
+        self._refusal: Exception | None = None  # set on close or a flush error
         self._closed = False
         self._summary: dict[str, Any] | None = None
-        self._error: Exception | None = None
         self.counts = {"batches": 0, "events": 0, "malformed": 0, "gaps": 0, "missing": 0,
                        "raw_bytes": 0, "parquet_bytes": 0}
+        self.converter_info: dict[str, Any] = {"restarts": 0, "inline_conversions": 0,
+                                               "peak_rss_kb": None}
 
         if self.segmented:
             self.path.mkdir(parents=True, exist_ok=True)
-            self._converter: ThreadPoolExecutor | None = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="kvctl-record-convert")
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._converter = None
         self._boundary = self._next_boundary(time.time()) if rotate_every else None
+        self._converter: Converter | None = None
+        if converter:
+            self._converter = self._start_converter()
 
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._inline = not background
         if background:
             self._thread = threading.Thread(target=self._run, name="kvctl-record-flush",
                                             daemon=True)
@@ -333,34 +202,37 @@ class RecordingWriter:
 
     # -- public API ------------------------------------------------------------------------------
 
+    def write_message(self, batch: Batch, events: list | None = None) -> None:
+        """Queue a batch exactly as :func:`~kvctl.formats.decode_zmq`/``decode_nats`` returned
+        it (``recovered`` may be set), ``events`` being what the filters and limits kept of
+        it (the first n of what the writer's ``filters`` keep; ``None``: all). Only its
+        frames and labels are journalled: the conversion decodes them again.
+
+        The receive loop's hot path: a few appends; every ``flush_rows`` messages, one record
+        batch built column-wise here (no GIL hand-off to another thread), written by the
+        background thread."""
+        if self._refusal is not None:
+            raise self._refusal
+        if self._boundary is not None:
+            self._mark_boundary()
+        fields = self._fields(batch)
+        n = len(batch.events if events is None else events)
+        self._busy = True  # before reading self._buf: see _cut
+        buf = self._buf
+        buf.rows.append(fields)
+        buf.events.append(n)
+        buf.frames.append(batch.frames)
+        self._busy = False
+        if len(buf.rows) >= self.flush_rows:
+            self._cut()
+
     def write(self, batches: Batch | Iterable[Batch]) -> None:
-        """Queue batches for the journal (no I/O here unless the flusher falls far behind)."""
-        if self._error is not None:
-            raise self._error
+        """Queue batches to be recorded exactly as given (events included, whatever made
+        them): slower than :meth:`write_message`, for batches that are not a decoder's."""
         if isinstance(batches, Batch):
             batches = (batches,)
-        c = self.counts
-        with self._buf_lock:
-            if self._closed:
-                raise ValueError("write to a closed RecordingWriter")
-            self._mark_boundary()
-            for b in batches:
-                self._buffer.append(b)
-                n = len(b.events)
-                self._buffer_rows += n or 1
-                c["batches"] += 1
-                c["events"] += n
-                if b.error is not None:
-                    c["malformed"] += 1
-                c["raw_bytes"] += sum(map(len, b.frames))
-            rows = self._buffer_rows
-        if self._thread is None:
-            if rows >= self.flush_rows or self._due():
-                self.flush()
-        elif rows >= self.flush_rows:
-            self._wake.set()
-            if rows >= 4 * self.flush_rows:
-                self.flush()  # backpressure: never buffer without bound
+        for b in batches:
+            self._put(*exact_row(b), len(b.events))
 
     def write_gap(self, publisher: Any, from_seq: int, to_seq: int,
                   recv_ns: int | None = None, source: str = "") -> None:
@@ -368,80 +240,118 @@ class RecordingWriter:
         never arrived: a row of type ``Gap`` (``extra`` = from_seq, to_seq, missing)."""
         gap = Gap(publisher=publisher, from_seq=from_seq, to_seq=to_seq,
                   recv_ns=time.time_ns() if recv_ns is None else recv_ns, source=source)
-        with self._buf_lock:
-            if self._closed:
-                raise ValueError("write to a closed RecordingWriter")
+        self._put(*gap_row(gap), 0)
+
+    def _put(self, row: tuple, frames: list[bytes], events: int) -> None:
+        if self._refusal is not None:
+            raise self._refusal
+        if self._boundary is not None:
             self._mark_boundary()
-            self._buffer.append(gap)
-            self._buffer_rows += 1
-            self.counts["gaps"] += 1
-            self.counts["missing"] += gap.missing
+        self._busy = True
+        buf = self._buf
+        buf.add_special(row, frames, events)
+        self._busy = False
+        full = len(buf) >= self.flush_rows
+        if full or (self._inline and self._due()):
+            self._cut()
 
     def flush(self) -> None:
-        """Append everything buffered to the journal (and fsync if asked)."""
+        """Append everything queued to the journal (and fsync if asked)."""
+        self._cut(write=False)
+        self._write_ready()
+
+    def _cut(self, write: bool | None = None, rotate: bool = False) -> None:
+        """Turn what is buffered into a journal chunk ready to write (and, with ``rotate``,
+        mark a segment boundary after it)."""
+        with self._cut_lock:
+            buf = self._buf
+            self._buf = RowBuffer(buf.labelled)
+            self._last_flush = time.monotonic()
+            # Lock-free hand-over (writes come from one thread, the receive loop): a write
+            # sets _busy before it reads self._buf, so once _busy is seen clear after the
+            # swap no write to the old buffer is in flight. Only the flush thread ever waits.
+            while self._busy and threading.current_thread() is self._thread:
+                time.sleep(0.0002)
+            if len(buf):
+                self._ready.append(buf.build())
+            if rotate:
+                self._ready.append(_ROTATE)
+        if write is None:
+            write = self._inline or len(self._ready) > MAX_READY_CHUNKS
+        if write:
+            self._write_ready()  # no thread, or it fell behind: never buffer without bound
+        elif self._ready:
+            self._wake.set()
+
+    def _write_ready(self) -> None:
         with self._io_lock:
-            with self._buf_lock:
-                items, self._buffer, self._buffer_rows = self._buffer, [], 0
-                self._last_flush = time.monotonic()
-            start = 0
-            for i, item in enumerate(items):
-                if item is _ROTATE:
-                    self._write_items(items[start:i])
+            ready = self._ready
+            while ready:
+                chunk = ready.popleft()
+                if chunk is _ROTATE:
                     self._rotate()
-                    start = i + 1
-            self._write_items(items[start:])
+                else:
+                    self._write_chunk(chunk)
+            self._service()
 
     def stats(self) -> dict[str, Any]:
         """Counters for a progress line: batches, events, malformed, gaps, missing,
-        raw_bytes, bytes (journal + finished Parquet), file (being written), segments."""
+        raw_bytes, bytes (journals + finished Parquet), file (being written), segments."""
         out: dict[str, Any] = dict(self.counts)
         journal = self._journal
-        journal_bytes = journal.bytes if journal is not None else 0
-        out["bytes"] = out.pop("parquet_bytes") + journal_bytes
+        out["bytes"] = out.pop("parquet_bytes") + sum(s.journal.bytes for s in self._open)
         out["file"] = str(journal.path) if journal is not None else str(self.path)
         out["segments"] = len(self._segments)
         return out
 
+    def converter_ready(self, timeout: float = 10.0) -> bool:
+        """Wait until the converter process runs (benchmarks start timing after this)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._io_lock:
+                conv = self._converter
+                if conv is None:
+                    return False
+                self._handle(conv.pump())
+                if conv.ready:
+                    return True
+            time.sleep(0.01)
+        return False
+
     def close(self) -> dict[str, Any]:
-        """Flush, convert the last journal to Parquet, write the manifest; returns a summary
-        (metadata with counts, paths, bytes on disk). Idempotent."""
+        """Flush, seal the last journal, let the converter finish (or convert here if it is
+        gone), write the manifest; returns a summary (metadata with counts, paths, bytes on
+        disk). Idempotent."""
         if self._summary is not None:
             return self._summary
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
-        if self._error is not None:
-            raise self._error
+        error = self._refusal
+        if error is not None:
+            raise error
         self.flush()
-        with self._buf_lock:
-            self._closed = True
+        self._refusal = ValueError("write to a closed RecordingWriter")
         with self._io_lock:
             end_ns = time.time_ns()
+            if self._journal is None and not self.segmented and not self._segments \
+                    and not self._open:
+                self._open_journal()  # nothing written: still leave a valid, empty file
+            if self._journal is not None:
+                self._seal(end_ns)
+            self._drain_converter()
+            for seg in list(self._open):  # what the converter did not do (it died, ...)
+                self._convert_inline(seg)
             if self.segmented:
-                self._finish_segment(end_ns)
-                assert self._converter is not None
-                self._converter.shutdown(wait=True)
-                for fut in self._pending:
-                    fut.result()  # surface conversion errors
-                with self._meta_lock:
-                    self._write_manifest(complete=True, end_ns=end_ns)
+                self._write_manifest(complete=True, end_ns=end_ns)
                 files = [str(self.path / s["file"]) for s in self._segments]
             else:
-                journal = self._journal
-                if journal is None:  # nothing written: still leave a valid, empty file
-                    journal = self._open_journal()
-                journal.close()
-                meta = _journal_to_parquet(journal.path, self.path,
-                                           {**journal.info, "end_ns": end_ns},
-                                           self.compression_level)
-                self._segments.append(meta)
-                self.counts["parquet_bytes"] = meta["bytes"]
                 files = [str(self.path)]
-            self._journal = None
         summary = {"kvctl_version": __version__, "schema_version": SCHEMA_VERSION,
                    "path": str(self.path), "files": files, "metadata": self.metadata,
-                   "start_ns": self.start_ns, "end_ns": end_ns, **self.counts}
+                   "start_ns": self.start_ns, "end_ns": end_ns, **self.counts,
+                   "converter": dict(self.converter_info)}
         summary["bytes"] = summary.pop("parquet_bytes")
         summary["ratio"] = (summary["bytes"] / summary["raw_bytes"]
                             if summary["raw_bytes"] else None)
@@ -462,38 +372,62 @@ class RecordingWriter:
         return (now // every + 1) * every
 
     def _mark_boundary(self) -> None:
-        # Called with _buf_lock held: rows queued after a clock boundary go to a new segment.
-        if self._boundary is not None:
-            now = time.time()
-            if now >= self._boundary:
-                self._buffer.append(_ROTATE)
-                self._boundary = self._next_boundary(now)
+        # Rows buffered after a clock boundary go to a new segment.
+        now = time.time()
+        boundary = self._boundary
+        if boundary is not None and now >= boundary:
+            self._boundary = self._next_boundary(now)
+            self._cut(rotate=True)
 
     def _due(self) -> bool:
-        return bool(self._buffer) and time.monotonic() - self._last_flush >= self.flush_interval
+        return bool(len(self._buf)) and \
+            time.monotonic() - self._last_flush >= self.flush_interval
 
     def _run(self) -> None:
-        tick = min(0.1, self.flush_interval / 4)
+        tick = min(0.05, self.flush_interval / 4)
         while not self._stop.is_set():
             self._wake.wait(tick)
             self._wake.clear()
-            if self._stop.is_set():
+            try:
+                if self._boundary is not None and time.time() >= self._boundary:
+                    self._mark_boundary()
+                if self._due():
+                    self._cut(write=False)
+                self._write_ready()
+            except Exception as exc:  # disk full, ...: the next write/close raises it
+                self._refusal = exc
                 return
-            with self._buf_lock:
-                self._mark_boundary()
-                due = self._buffer_rows >= self.flush_rows or self._due()
-                rotate = _ROTATE in self._buffer if self._boundary is not None else False
-            if due or rotate:
-                try:
-                    self.flush()
-                except Exception as exc:  # disk full, ...: the next write/close raises it
-                    self._error = exc
-                    return
 
-    def _open_journal(self) -> _Journal:
-        info = {"kvctl_version": __version__, "schema_version": SCHEMA_VERSION,
-                "metadata": self.metadata, "start_ns": self.start_ns,
-                "opened_ns": time.time_ns()}
+    def _write_chunk(self, chunk: Chunk) -> None:
+        c = self.counts
+        c["batches"] += chunk.batches
+        c["events"] += chunk.events
+        c["malformed"] += chunk.malformed
+        c["gaps"] += chunk.gaps
+        c["missing"] += chunk.missing
+        c["raw_bytes"] += chunk.raw_bytes
+        journal = self._journal or self._open_journal()
+        self._next_index += chunk.batches
+        journal.write(chunk.rb, self.fsync)
+        if self._converter is not None:
+            self._converter.commit(journal.path, journal.offset)
+        if self.rotate_size is not None and journal.bytes * self._ratio >= self.rotate_size:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        if self.segmented and self._journal is not None and self._journal.rows:
+            self._seal(time.time_ns())
+
+    def _open_journal(self) -> JournalWriter:
+        info: dict[str, Any] = {
+            "kvctl_version": __version__, "schema_version": SCHEMA_VERSION,
+            "journal_format": JOURNAL_FORMAT, "metadata": self.metadata,
+            "start_ns": self.start_ns, "opened_ns": time.time_ns(),
+            "first_batch_index": self._next_index, "raw_frames": self.raw_frames}
+        if self.filters is not None:
+            info["filters"] = self.filters
+        if self.labels is not None:
+            info["labels"] = self.labels
         if self.segmented:
             name = f"part-{self._segment:05d}.parquet"
             info["segment"] = self._segment
@@ -504,48 +438,125 @@ class RecordingWriter:
                 info["window_start_ns"] = int((end - self.rotate_every) * 1e9)
                 info["window_end_ns"] = int(end * 1e9)
             path = self.path / f".{name}{JOURNAL_SUFFIX}"
+            target = self.path / name
         else:
             path = self.path.with_name(self.path.name + JOURNAL_SUFFIX)
-        self._journal = _Journal(path, info)
+            target = self.path
+        self._journal = JournalWriter(path, info)
+        self._open.append(_Segment(self._journal, target))
+        if self._converter is not None:
+            self._converter.send({"op": "open", "journal": str(path), "target": str(target),
+                                  "offset": self._journal.offset})
         return self._journal
 
-    def _write_items(self, items: list[Any]) -> None:
-        if not items:
-            return
-        rb = batches_to_record_batch(items, self._next_index, self.raw_frames)
-        self._next_index += sum(1 for b in items if type(b) is not Gap)
-        journal = self._journal or self._open_journal()
-        journal.write(rb, self.fsync)
-        if self.rotate_size is not None and journal.bytes * self._ratio >= self.rotate_size:
-            self._rotate()
-
-    def _rotate(self) -> None:
-        if self.segmented and self._journal is not None and self._journal.rows:
-            self._finish_segment(time.time_ns())
-
-    def _finish_segment(self, end_ns: int) -> None:
+    def _seal(self, end_ns: int) -> None:
         journal = self._journal
-        if journal is None:
-            return
+        assert journal is not None
+        offset = journal.offset
         journal.close()
         self._journal = None
-        self._segment += 1
-        info = {**journal.info, "closed_ns": end_ns}
-        assert self._converter is not None
-        fut = self._converter.submit(self._convert_segment, journal, info)
-        self._pending.append(fut)
+        seg = self._open[-1]
+        key = "closed_ns" if self.segmented else "end_ns"
+        seg.sealed_info = {**journal.info, key: end_ns}
+        if self.segmented:
+            self._segment += 1
+        if self._converter is not None:
+            self._converter.send({"op": "seal", "journal": str(journal.path),
+                                  "offset": offset, "info": seg.sealed_info})
 
-    def _convert_segment(self, journal: _Journal, info: dict[str, Any]) -> dict[str, Any]:
-        target = self.path / info["file"]
-        meta = _journal_to_parquet(journal.path, target, info, self.compression_level)
-        if journal.bytes:
-            self._ratio = max(meta["bytes"] / journal.bytes, 0.01)
-        with self._meta_lock:
-            self._segments.append(meta)
+    # -- the converter process -------------------------------------------------------------------
+
+    def _start_converter(self) -> Converter | None:
+        try:
+            return Converter({"compression_level": self.compression_level,
+                              "nice": CONVERTER_NICE})
+        except OSError:
+            return None
+
+    def _service(self) -> None:
+        """Exchange messages with the converter; replace it if it died (io lock held)."""
+        conv = self._converter
+        if conv is None:
+            return
+        self._handle(conv.pump())
+        if conv.alive() or conv.finished:
+            return
+        self._handle(conv.pump())  # its last words
+        conv.kill()
+        self._converter = None
+        for seg in self._open:
+            remove_stale_temps(seg.target)
+        if self.converter_info["restarts"] >= CONVERTER_RESTARTS or self._closed:
+            return
+        self.converter_info["restarts"] += 1
+        new = self._start_converter()
+        self._converter = new
+        if new is None:
+            return
+        for seg in self._open:  # start over from the journals: they are the truth
+            j = seg.journal
+            new.send({"op": "open", "journal": str(j.path), "target": str(seg.target),
+                      "offset": j.offset})
+            if seg.sealed_info is not None:
+                new.send({"op": "seal", "journal": str(j.path), "offset": j.offset,
+                          "info": seg.sealed_info})
+
+    def _handle(self, msgs: list[dict[str, Any]]) -> None:
+        for msg in msgs:
+            if msg.get("op") == "done":
+                self._done(msg["journal"], msg["meta"], msg.get("journal_bytes", 0))
+            elif msg.get("op") == "bye":
+                self.converter_info["peak_rss_kb"] = msg.get("peak_rss_kb")
+
+    def _done(self, journal: str, meta: dict[str, Any], journal_bytes: int) -> None:
+        seg = next((s for s in self._open if str(s.journal.path) == journal), None)
+        if seg is None:
+            return
+        self._open.remove(seg)
+        if journal_bytes:
+            # Capped at 1: a small segment's Parquet is mostly fixed overhead (footer, ...).
+            self._ratio = min(max(meta["bytes"] / journal_bytes, 0.01), 1.0)
+        self.counts["parquet_bytes"] += meta["bytes"]
+        self._segments.append(meta)
+        if self.segmented:
             self._segments.sort(key=lambda s: s["segment"])
-            self.counts["parquet_bytes"] += meta["bytes"]
             self._write_manifest(complete=False)
-        return meta
+
+    def _drain_converter(self) -> None:
+        """At close: let the converter finish every sealed journal, then exit."""
+        self._closed = True
+        conv = self._converter
+        if conv is None:
+            return
+        conv.send({"op": "exit"})
+        while True:
+            self._handle(conv.pump())
+            if conv.finished or not conv.alive():
+                break
+            if time.monotonic() - conv.last_heard > CONVERTER_STALL_S:
+                break  # stuck (stopped?): do the rest here
+            time.sleep(0.01)
+        self._handle(conv.pump())
+        if conv.finished:
+            with contextlib.suppress(Exception):
+                conv.proc.wait(5)
+            conv.close_pipes()
+        else:
+            conv.kill()
+        self._converter = None
+        for seg in self._open:
+            remove_stale_temps(seg.target)
+
+    def _convert_inline(self, seg: _Segment) -> None:
+        info = seg.sealed_info or {**seg.journal.info, "closed_ns": time.time_ns()}
+        path = seg.journal.path
+        if seg.target.exists() and not path.exists():
+            meta = _file_metadata(seg.target)  # converted; the converter died before telling
+            meta["bytes"] = seg.target.stat().st_size
+        else:
+            meta = journal_to_parquet(path, seg.target, info, self.compression_level)
+            self.converter_info["inline_conversions"] += 1
+        self._done(str(path), meta, seg.journal.bytes)
 
     def _write_manifest(self, complete: bool, end_ns: int | None = None) -> None:
         _write_manifest(self.path, self._segments, self.metadata, complete,
@@ -606,12 +617,13 @@ def recover(journal_path: str | os.PathLike[str]) -> Path:
 
 def _recover_one(journal: Path, target: Path) -> dict[str, Any]:
     info = _journal_metadata(journal)
+    remove_stale_temps(target)
     if target.exists():
         # A crash between the rename and the unlink: the Parquet file is already complete.
         journal.unlink()
         return _file_metadata(target)
     info.update(recovered=True, recovered_ns=time.time_ns())
-    return _journal_to_parquet(journal, target, info)
+    return journal_to_parquet(journal, target, info)
 
 
 def _recover_directory(directory: Path) -> Path:
@@ -619,6 +631,8 @@ def _recover_directory(directory: Path) -> Path:
         m = _SEGMENT_JOURNAL_RE.match(entry.name)
         if m:
             _recover_one(entry, directory / entry.name[1: -len(JOURNAL_SUFFIX)])
+    for entry in list(directory.glob(".part-*.tmp")):
+        remove_stale_temps(directory / (entry.name[1:].split(".parquet.")[0] + ".parquet"))
     segments = []
     metadata: dict[str, Any] = {}
     for entry in _segment_files(directory):
@@ -673,7 +687,7 @@ def _record_batches(path: Path, columns: list[str] | None = None,
         if kind == "parquet":
             yield from pq.ParquetFile(p).iter_batches(batch_size=batch_size, columns=columns)
         else:
-            for rb in read_journal(p):
+            for rb in event_batches(p):
                 yield rb.select(columns) if columns else rb
 
 
