@@ -240,6 +240,47 @@ class NatsTarget:
         self.publisher.close()
 
 
+class RecordingTarget:
+    """Engine batches written straight into a recording (no sockets): each worker's messages
+    are encoded exactly as its PUB socket would send them, seq per worker from 0."""
+
+    def __init__(self, path: str, encoding: str | None = None,
+                 array_layout: str = engine_zmq.DEFAULT_ARRAY_LAYOUT,
+                 metadata: dict[str, Any] | None = None) -> None:
+        from .transports.files import RecordingWriter
+
+        encoding = encoding or "vllm"
+        if encoding not in engine_zmq.ENGINE_ENCODINGS:
+            raise UsageError(f"--format {encoding} cannot be recorded directly; choose one of "
+                             f"{', '.join(engine_zmq.ENGINE_ENCODINGS)}")
+        self.encoding = encoding
+        self.array_layout = array_layout
+        self.writer = RecordingWriter(path, metadata=metadata)
+        self.seqs: dict[int, int] = {}
+        self.bytes_sent = 0
+
+    def write(self, batch: Batch, events: list[Event], slot: int = 0) -> int:
+        seq = self.seqs.get(slot, 0)
+        self.seqs[slot] = seq + 1
+        payload = engine_zmq.encode_payload(events, batch.ts, batch.dp_rank, self.encoding,
+                                            self.array_layout)
+        batch.frames = engine_zmq.encode_frames(b"", seq, payload)
+        batch.seq = seq
+        self.writer.write_message(batch, events)
+        size = 8 + len(payload)
+        self.bytes_sent += size
+        return size
+
+    def wait_subscribers(self, count: int, timeout: float) -> bool:
+        return True
+
+    def service(self) -> None:
+        pass
+
+    def close(self) -> dict[str, Any]:
+        return self.writer.close()
+
+
 def open_target(to: str, encoding: str | None, **kwargs: Any) -> ZmqTarget | NatsTarget:
     """``--to`` URL -> a target; the format defaults to ``vllm`` for ZMQ, ``dynamo`` for NATS."""
     if to.startswith(("nats://", "tls://")):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -50,6 +51,8 @@ from ..options import output_options
                    "(default on NATS) or dynamo-json.")
 @click.option("--to", metavar="URL",
               help="Publish to NATS as Dynamo does (nats://HOST:PORT) instead of ZMQ sockets.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Write a recording instead of publishing (no sockets, as fast as possible).")
 @click.option("--namespace", default="dynamo", show_default=True, help="Dynamo namespace (NATS).")
 @click.option("--component", default="backend", show_default=True,
               help="Dynamo component (NATS).")
@@ -81,7 +84,7 @@ def command(**params: Any) -> None:
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import Schedule
     from ..session import Interrupted
-    from ..targets import open_target
+    from ..targets import RecordingTarget, open_target
 
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
     fleet = Fleet(workers=params["workers"], num_blocks=params["num_blocks"],
@@ -91,14 +94,25 @@ def command(**params: Any) -> None:
                   requests=params["requests"], duration=params["duration"], seed=params["seed"],
                   speedup=1.0)
     to = params["to"] or f"tcp://{params['host']}:{params['base_port']}"
-    target = open_target(to, params["encoding"], per_worker=True,
-                         replay_port=params["replay_base_port"], namespace=params["namespace"],
-                         component=params["component"], endpoint=params["dynamo_endpoint"])
+    if params["output"] and params["to"]:
+        raise click.UsageError("-o writes a recording; --to publishes: choose one")
+    if params["output"]:
+        target: Any = RecordingTarget(params["output"], params["encoding"],
+                                      metadata={"command": sys.argv[1:], "simulated": True})
+        params["topspeed"] = True  # a dataset, not a live stream: no pacing
+    else:
+        target = open_target(to, params["encoding"], per_worker=True,
+                             replay_port=params["replay_base_port"],
+                             namespace=params["namespace"], component=params["component"],
+                             endpoint=params["dynamo_endpoint"])
     counts = {"batches": 0, "events": 0, "bytes": 0}
     started, cpu_started = time.monotonic(), time.process_time()
     display = None
     try:
-        if hasattr(target, "open_slots"):
+        if params["output"]:
+            diagnostics.say(f"kvctl: {params['workers']} workers recording to "
+                            f"{params['output']}", "dim")
+        elif hasattr(target, "open_slots"):
             endpoints = target.open_slots(params["workers"])
             diagnostics.say(f"kvctl: {params['workers']} workers publishing on "
                             f"{endpoints[0]} .. {endpoints[-1]}", "dim")
@@ -118,8 +132,9 @@ def command(**params: Any) -> None:
         display = _live_display(fleet, params, counts)
         for t, worker, events in fleet.run():
             schedule.wait(t)
-            batch = Batch(source=f"worker-{worker}", events=events, format="engine-map",
-                          ts=epoch + t, worker_id=worker, dp_rank=0)
+            batch = Batch(source=f"simulate://worker-{worker}", events=events,
+                          format="engine-map", ts=epoch + t, recv_ns=int((epoch + t) * 1e9),
+                          worker_id=worker, dp_rank=0)
             counts["bytes"] += target.write(batch, events, slot=worker)
             counts["batches"] += 1
             counts["events"] += len(events)
