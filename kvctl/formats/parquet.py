@@ -29,6 +29,7 @@ from typing import Any
 
 import msgpack
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..events import Batch, Event
 from . import engine_zmq
@@ -641,8 +642,20 @@ def columns_to_pylists(rb: pa.RecordBatch | pa.Table) -> dict[str, list[Any]]:
     """Python lists per column (only the columns the reader needs, missing ones as nulls)."""
     n = rb.num_rows
     names = set(rb.schema.names)
-    return {name: (rb.column(name).to_pylist() if name in names else [None] * n)
+    return {name: (_to_pylist(rb.column(name)) if name in names else [None] * n)
             for name in COLUMN_NAMES}
+
+
+def _to_pylist(column: pa.Array | pa.ChunkedArray) -> list[Any]:
+    """``to_pylist``, about 30 times faster for dictionary columns."""
+    if isinstance(column, pa.ChunkedArray):  # chunks may carry different dictionaries
+        return [value for chunk in column.chunks for value in _to_pylist(chunk)]
+    if pa.types.is_dictionary(column.type):
+        # decode the (small) dictionary once, then index: pyarrow's to_pylist costs ~1 µs/row
+        values = [*column.dictionary.to_pylist(), None]
+        indices = pc.fill_null(column.indices, -1).to_numpy().tolist()
+        return [values[i] for i in indices]
+    return column.to_pylist()
 
 
 def rows_to_batches(cols: dict[str, list[Any]], start: int, stop: int,
