@@ -517,3 +517,14 @@ def test_filters_and_cut_are_reproduced(tmp_path: Path) -> None:
     w.close()
     assert list(open_recording(out)) == kept
     assert json.loads(pq.ParquetFile(out).metadata.metadata[b"kvctl"]).get("mismatches") is None
+
+
+def test_dictionary_columns_read_back_across_chunks_with_nulls():
+    import pyarrow as pa
+
+    from kvctl.formats.parquet import _to_pylist
+
+    first = pa.array(["GPU", "CPU", None, "GPU"]).dictionary_encode()
+    second = pa.array(["DISK", None]).dictionary_encode()  # another dictionary
+    assert _to_pylist(pa.chunked_array([first, second])) == ["GPU", "CPU", None, "GPU", "DISK",
+                                                             None]
