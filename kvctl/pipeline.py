@@ -418,7 +418,9 @@ class Schedule:
 class RecordingSource:
     """Recordings (files, segment directories or journals) read back in recorded order."""
 
-    def __init__(self, paths: list[str]) -> None:
+    def __init__(self, paths: list[str], chunk_rows: int = 4096) -> None:
+        """``chunk_rows``: rows decoded at a time. Reading a chunk holds the GIL, so a paced
+        replay reads small chunks (short stalls); throughput wants large ones."""
         from pathlib import Path
 
         for path in paths:
@@ -426,15 +428,17 @@ class RecordingSource:
                 raise UsageError(f"{path}: no such recording (sources are tcp://, ipc://, "
                                  "nats:// or a recording path)")
         self.paths = paths
+        self.chunk_rows = chunk_rows
 
     def batches(self) -> Iterator[Batch | None]:
         from .transports.files import open_recording
 
         for path in self.paths:
             try:
-                yield from open_recording(path)
+                yield from open_recording(path, batch_size=self.chunk_rows)
             except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
                 raise TransportError(f"{path}: cannot read recording: {exc}") from None
 
     def close(self) -> None:
         pass
+

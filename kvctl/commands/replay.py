@@ -115,7 +115,9 @@ def command(**params: Any) -> None:
     start, end = parse_window(params["start"]), parse_window(params["end"])
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
     filters = make_filters(params)
-    source = RecordingSource(list(params["recordings"]))
+    # paced sends must not stall while the next chunk is decoded (256 rows: ~3 ms stalls)
+    source = RecordingSource(list(params["recordings"]),
+                             chunk_rows=4096 if params["topspeed"] else 256)
     target = open_target_from(params)
     speed = None if params["topspeed"] or params["rate"] else params["speed"]
     schedule = Schedule(None if params["topspeed"] else (1.0 if params["rate"] else speed))
