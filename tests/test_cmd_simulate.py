@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 
 import pytest
@@ -120,3 +121,39 @@ def test_output_recording_is_deterministic_and_passes_check(tmp_path):
     report = json.loads(check.stdout)
     assert check.returncode == 0, report
     assert summary["total"]["removed_blocks"] > 0  # the pool filled and evicted
+
+
+def test_trace_driven_run(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    # Mooncake layout: 512 tokens per hash id; the second and third requests share a prefix
+    trace.write_text("\n".join(json.dumps(r) for r in [
+        {"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]},
+        {"timestamp": 50, "input_length": 1500, "output_length": 10, "hash_ids": [1, 2, 3]},
+        {"timestamp": 90, "input_length": 600, "output_length": 10, "hash_ids": [1, 4]},
+    ]) + "\n")
+    result = run_kvctl("simulate", "--trace", str(trace), "--workers", "1", "-o",
+                       str(tmp_path / "t.parquet"), "--json", "-q", timeout=60)
+    assert result.returncode == 0, result.stderr
+    total = json.loads(result.stdout)["total"]
+    assert total["prompt_tokens"] == 1000 + 1500 + 600
+    # request 2 reuses request 1's first 992 tokens (62 full blocks of 16), request 3 the
+    # 512 tokens of hash id 1 (32 blocks)
+    assert total["hit_tokens"] == 992 + 512
+
+
+def test_replay_router_per_worker():
+    from kvctl.transports.zmq import fetch_replay
+
+    base, replay_base = free_port_range(2), free_port_range(2)
+    sim = start_kvctl("simulate", "--workers", "2", "--base-port", str(base),
+                      "--replay-base-port", str(replay_base), "--duration", "30", "-q")
+    try:
+        replies: list = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(replies) < 3:
+            replies, complete = fetch_replay(f"tcp://127.0.0.1:{replay_base + 1}", 0, 1.0)
+        assert complete and len(replies) >= 3
+        assert [int.from_bytes(seq, "big") for _, seq, _ in replies[:3]] == [0, 1, 2]
+    finally:
+        sim.terminate()
+        finish(sim)
