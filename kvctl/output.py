@@ -56,6 +56,7 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
     """The JSON-line view of events: core fields first (null when absent), then batch context,
     then every other field the producer sent, under its own name."""
     context = {
+        **_TEMPLATE,
         "ts": batch.ts,
         "seq": batch.seq,
         "source": batch.source,
@@ -68,7 +69,7 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
         context["recovered"] = True
     rows = []
     for event in events:
-        row = {**_TEMPLATE, **context, **event}
+        row = {**context, **event}
         hashes = row["block_hashes"]
         if hashes is not None:
             row["block_hashes"] = present_hashes(hashes, hash_style)

@@ -30,6 +30,20 @@ def decode_zmq(
     dp_rank: int | None = None,
 ) -> Batch:
     """Decode a ZMQ message: an engine batch (3 frames) or a Dynamo event-plane message (4)."""
+    if len(frames) == 3:  # the hot path: a well-formed engine batch, built in one go
+        topic_frame, seq_frame, payload = frames
+        try:
+            ts, events, payload_dp, shape = engine_zmq.decode_payload(payload)
+            seq = engine_zmq.parse_seq(seq_frame)
+        except DecodeError:
+            pass  # the slow path below builds the error batch
+        else:
+            topic = topic_frame.decode("utf-8", "replace") if topic_frame else ""
+            if worker_id is None and topic:
+                worker_id = worker_from_topic(topic)
+            return Batch(source, events, shape, topic, seq, ts, recv_ns, worker_id,
+                         dp_rank if payload_dp is None else payload_dp, frames, None, False,
+                         source)
     batch = Batch(source=source, events=[], format="unknown", recv_ns=recv_ns,
                   worker_id=worker_id, dp_rank=dp_rank, frames=frames, publisher=source)
     try:
