@@ -21,6 +21,15 @@ class LazyGroup(click.Group):
         return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(commands.__path__)
                       if not m.name.startswith("_"))
 
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            # the reader went away (`kvctl tap --json | head`): quiet and successful, like
+            # other Unix tools; caught here because click would turn it into exit 1
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise click.exceptions.Exit(0) from None
+
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name not in self.list_commands(ctx):
             return None
@@ -57,10 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         code = ExitCode.INTERRUPTED
     except KvctlError as exc:
-        print(f"kvctl: {exc}", file=sys.stderr)
+        if str(exc):  # an empty message: already reported (e.g. a quiet interrupt)
+            print(f"kvctl: {exc}", file=sys.stderr)
         code = exc.exit_code
-    except BrokenPipeError:
-        # the reader went away (`kvctl tap --json | head`): quiet, like other Unix tools
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = ExitCode.OK
     sys.exit(int(code or 0))

@@ -28,7 +28,9 @@ def _json_default(value: Any) -> Any:
         return bytes(value).hex()
     if isinstance(value, (set, frozenset, tuple)):
         return list(value)
-    raise TypeError(f"cannot encode {type(value).__name__}")
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return repr(value)
 
 
 def dumps(obj: Any) -> str:
@@ -125,7 +127,11 @@ class PrettySink:
                  max_hashes: int = 3) -> None:
         from rich.console import Console
 
-        self.console = console or Console(highlight=False, soft_wrap=True)
+        class _Console(Console):
+            def on_broken_pipe(self) -> None:
+                raise BrokenPipeError  # cli exits 0, as for JSON lines (rich would exit 1)
+
+        self.console = console or _Console(highlight=False, soft_wrap=True)
         self.hash_style = hash_style
         self.max_hashes = max_hashes
 

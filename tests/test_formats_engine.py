@@ -126,7 +126,50 @@ def test_bad_input_becomes_an_error_batch(frames, why):
 @given(st.lists(st.binary(max_size=64), max_size=5))
 def test_random_frames_never_raise(frames):
     batch = decode_zmq(frames, "src")
-    assert batch.error is not None or isinstance(batch.events, list)
+    assert (batch.error is None) != (batch.error is not None and batch.events == [])
+    assert_printable_and_recordable(batch)
+
+
+def assert_printable_and_recordable(batch) -> None:
+    """Whatever a decoder accepted, tap can print and record can store."""
+    import io
+
+    from kvctl.formats.parquet import batches_to_record_batch
+    from kvctl.output import JsonLinesSink, PrettySink
+
+    out = io.BytesIO()
+    JsonLinesSink(out).write(batch, batch.events)
+    assert out.getvalue().count(b"\n") == len(batch.events)
+    PrettySink(console=_quiet_console()).write(batch, batch.events)
+    assert batches_to_record_batch([batch]).num_rows >= 1
+
+
+def _quiet_console():
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO())
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+    | st.text(max_size=8) | st.binary(max_size=8)
+    | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=8))
+    | st.builds(msgpack.Timestamp, st.integers(0, 2**32), st.integers(0, 999_999_999)),
+    lambda children: st.lists(children, max_size=3)
+    | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=8).filter(lambda k: k != "type"), msgpack_values,
+                       max_size=4))
+def test_any_msgpack_value_in_an_event_can_be_printed_and_recorded(fields):
+    payload = msgpack.packb([1.0, [{"type": "BlockStored", **fields}], 0], datetime=False)
+    batch = decode_zmq([b"", b"\x00" * 8, payload], "src")
+    assert batch.error is None
+    assert_printable_and_recordable(batch)
 
 
 hashes = st.lists(st.integers(min_value=0, max_value=2**64 - 1), min_size=1, max_size=4)

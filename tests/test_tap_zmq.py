@@ -267,3 +267,22 @@ def test_connection_monitor_is_off_once_running(engine, connect_timeout):
         assert all(sub._monitor.closed for sub in source.subscribers)
     finally:
         source.close()
+
+
+@pytest.mark.parametrize("mode", [[], ["--json"]])
+def test_a_closed_pipe_ends_quietly_with_exit_0(tmp_path, mode):
+    """`kvctl cat run.parquet | head -1`: the reader leaves early; like other Unix tools, kvctl
+    stops without a traceback and succeeds (scripts with `set -o pipefail` rely on it)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "r.parquet"
+    sim = run_kvctl("simulate", "-o", str(path), "--workers", "1", "--requests", "200", "-q")
+    assert sim.returncode == 0, sim.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "kvctl", "cat", str(path), *mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline()
+    proc.stdout.close()  # what `head -1` does after its line
+    rc = proc.wait(30)
+    err = proc.stderr.read()
+    assert rc == 0 and b"Traceback" not in err, err

@@ -52,7 +52,13 @@ def parse_seq(frame: bytes) -> int:
 
 # msgspec decodes msgpack faster than msgpack-python (see bench/tap_throughput.py); both give
 # the same plain Python objects.
-_decode = msgspec.msgpack.Decoder().decode
+def _ext(code: int, data: memoryview) -> dict[str, Any]:
+    """msgpack extension values (no producer sends them, but msgpack allows them) become a
+    plain map, so that every decoded value can be printed and recorded."""
+    return {"msgpack_ext": code, "data": bytes(data)}
+
+
+_decode = msgspec.msgpack.Decoder(ext_hook=_ext).decode
 
 
 def unpack(payload: bytes) -> Any:

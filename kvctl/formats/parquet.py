@@ -20,6 +20,7 @@ from code paths that record or read recordings.
 from __future__ import annotations
 
 import base64
+import datetime
 import json
 import math
 from collections.abc import Iterable
@@ -120,8 +121,9 @@ class Gap:
 
 
 def to_json_value(v: Any) -> Any:
-    """Make ``v`` JSON-safe, losslessly: bytes, tuples, odd maps and non-finite floats get a
-    one-key ``{"$b"|"$t"|"$m"|"$f": ...}`` wrapper, everything else stays readable JSON."""
+    """Make ``v`` JSON-safe, losslessly: bytes, tuples, odd maps, non-finite floats and
+    timestamps get a one-key ``{"$b"|"$t"|"$m"|"$f"|"$d": ...}`` wrapper, everything else stays
+    readable JSON (anything else becomes its ``repr`` under ``"$r"``)."""
     t = type(v)
     if v is None or t is str or t is bool or t is int:
         return v
@@ -137,7 +139,9 @@ def to_json_value(v: Any) -> Any:
         return {"$b": base64.b64encode(bytes(v)).decode()}
     if t is tuple:
         return {"$t": [to_json_value(x) for x in v]}
-    raise TypeError(f"cannot record a {t.__name__} value")
+    if t is datetime.datetime:  # a msgpack timestamp
+        return {"$d": v.isoformat()}
+    return {"$r": repr(v)}  # not from any decoder; kept as text rather than refused
 
 
 def from_json_value(v: Any) -> Any:
@@ -155,6 +159,10 @@ def from_json_value(v: Any) -> Any:
                 return {from_json_value(k): from_json_value(y) for k, y in x}
             if key == "$f":
                 return float(x)
+            if key == "$d":
+                return datetime.datetime.fromisoformat(x)
+            if key == "$r":
+                return x
         return {k: from_json_value(x) for k, x in v.items()}
     return v
 
