@@ -157,3 +157,19 @@ def test_replay_router_per_worker():
     finally:
         sim.terminate()
         finish(sim)
+
+
+def test_wait_for_two_subscribers():
+    base = free_port_range(1)
+    endpoint = f"tcp://127.0.0.1:{base}"
+    sim = start_kvctl("simulate", "--workers", "1", "--base-port", str(base), "--requests", "5",
+                      "--topspeed", "--wait-subscribers", "2", "-q", "--json")
+    taps = [start_kvctl("tap", endpoint, "--json", "--idle-timeout", "2", "--connect-timeout",
+                        "10") for _ in range(2)]
+    rc, out, err = finish(sim, timeout=60)
+    assert rc == 0, err
+    events = json.loads(out)["events"]
+    for tap in taps:
+        rc, tapped, err = finish(tap, timeout=60)
+        assert rc == 0, err
+        assert len(tapped.splitlines()) == events > 0  # both were there from the first batch

@@ -143,6 +143,9 @@ class Publisher:
 
     def __init__(self, endpoint: str, hwm: int = 100_000) -> None:
         self.socket = context().socket(zmq.XPUB)
+        # report every subscription, not only the first per topic: several taps all
+        # subscribe to "" and each must count
+        self.socket.setsockopt(zmq.XPUB_VERBOSER, 1)
         self.socket.setsockopt(zmq.SNDHWM, hwm)
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.endpoint = bind(self.socket, endpoint)
