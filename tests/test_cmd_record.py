@@ -181,3 +181,18 @@ def test_unreadable_recording_is_a_clear_error(tmp_path):
         assert b"cannot read recording" in result.stderr and b"Traceback" not in result.stderr
     missing = run_kvctl("recover", str(tmp_path / "none.parquet"))
     assert missing.returncode == 1 and b"no journal" in missing.stderr
+
+
+def test_filtered_recording_keeps_every_seq(engine, tmp_path):
+    """Batches the filters empty are recorded without events: reading back shows no gaps."""
+    path = tmp_path / "removed-only.parquet"
+
+    def send():
+        for i in range(6):
+            engine.send([stored([i])] if i % 2 == 0 else [removed([i - 1])])
+
+    rc, _, err = record_until(engine, path, send, "--type", "BlockRemoved")
+    assert rc == 0, err
+    result = run_kvctl("cat", str(path), "--json")
+    assert [r["block_hashes"] for r in rows_of(result.stdout.decode())] == [[0], [2], [4]]
+    assert "gaps 0" in result.stderr.decode() and "in 6 batches" in result.stderr.decode()

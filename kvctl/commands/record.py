@@ -80,7 +80,11 @@ def command(**params: Any) -> None:
         # converter; batches read back from recordings are journalled exactly.
         sink = RecordingSink(writer, diagnostics, raw=isinstance(source, LiveSource))
         progress = None if params["quiet"] else _progress(writer, summary)
-        run(source, sink, make_limits(params), filters, sink, summary=summary)
+        if filters.types or filters.workers:
+            sink.filtering()
+        run(source, sink, make_limits(params), filters, sink, summary=summary,
+            on_batch=sink.on_batch if filters.types or filters.workers else None)
+        sink.close()
     except KeyboardInterrupt:
         summary.stopped_by = "interrupt"
         interrupted = True
@@ -121,13 +125,31 @@ class RecordingSink:
         self.writer = writer
         self.shown = shown
         self.raw = raw
+        self.pending: Any = None
+        self._record = writer.write_message if raw else self._record_exact
         if raw:
             self.write = writer.write_message  # type: ignore[method-assign]
 
-    def write(self, batch: Any, events: list) -> None:
+    def _record_exact(self, batch: Any, events: list) -> None:
         if events is not batch.events:
             batch = dataclasses.replace(batch, events=events)
         self.writer.write(batch)
+
+    def write(self, batch: Any, events: list) -> None:
+        self.pending = None
+        self._record(batch, events)
+
+    def on_batch(self, batch: Any) -> None:
+        """With filters: a batch they emptied is recorded without events, so that its seq
+        stays in the recording (readers would otherwise see a gap where there was none)."""
+        if self.pending is not None:
+            self._record(self.pending, [])
+        self.pending = batch if batch.error is None else None
+
+    def filtering(self) -> RecordingSink:
+        """Route writes through :meth:`write` so that :meth:`on_batch` sees them."""
+        self.__dict__.pop("write", None)
+        return self
 
     def malformed(self, batch: Any) -> None:
         if self.raw:
@@ -145,7 +167,9 @@ class RecordingSink:
         self.shown.sequence(publisher, kind, expected, got)
 
     def close(self) -> None:
-        pass
+        if self.pending is not None:
+            self._record(self.pending, [])
+            self.pending = None
 
 
 class _Status:
