@@ -215,15 +215,16 @@ class StderrDiagnostics:
         self.say(f"kvctl: malformed message from {batch.source}{seq}: {batch.error} "
                  f"[{len(raw)} bytes: {preview}]", "red")
 
-    def gap(self, publisher: Any, expected: int, got: int, recovered: int) -> None:
+    def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None:
         missing = got - expected
-        how = f"{recovered} recovered from the replay socket" if recovered else "not recovered"
+        how = (f"{len(recovered)} recovered from the replay socket" if recovered
+               else "not recovered")
         self.say(f"kvctl: gap from {_publisher(publisher)}: seq {expected}..{got - 1} missing "
                  f"({missing} batches, {how})", "yellow")
 
     def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None:
         self.say(f"kvctl: {kind} from {_publisher(publisher)}: seq {got} after "
-                 f"{expected - 1}", "yellow")
+                 f"{expected - 1}", "yellow")  # kind: late arrival, duplicate or restart
 
 
 def _publisher(publisher: Any) -> str:

@@ -124,44 +124,68 @@ class Diagnostics(Protocol):
     """Where the pipeline reports what a user must see (printed on stderr by the command)."""
 
     def malformed(self, batch: Batch) -> None: ...
-    def gap(self, publisher: Any, expected: int, got: int, recovered: int) -> None: ...
+    def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None: ...
     def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None: ...
 
 
 class SeqTracker:
-    """Per-publisher sequence accounting: gaps, duplicates, reorders, restarts."""
+    """Per-publisher sequence accounting: gaps, late arrivals, duplicates, restarts.
+
+    A seq beyond the next expected one opens a gap; a seq inside an open gap arrives late (a
+    reorder: the gap shrinks); any other old seq is a duplicate, except 0, a publisher
+    restart. Malformed messages are not tracked (their seq frame is not trusted)."""
+
+    MAX_OPEN_GAPS = 64  # per publisher, to bound memory
 
     def __init__(self, summary: Summary, diagnostics: Diagnostics | None) -> None:
         self.next_seq: dict[Any, int] = {}
+        self.open_gaps: dict[Any, list[list[int]]] = {}
         self.summary = summary
         self.diagnostics = diagnostics
 
     def check(self, batch: Batch) -> tuple[int, int] | None:
         """Account for ``batch``; returns the missing range ``(first, end)`` on a forward gap."""
         if batch.seq is None or batch.error is not None:
-            return None  # a malformed message's seq frame is not trusted
+            return None
         key = batch.publisher
         expected = self.next_seq.get(key)
         seq = batch.seq
         if expected is None or seq == expected:
             self.next_seq[key] = seq + 1
             return None
+        summary = self.summary
         if seq > expected:
             self.next_seq[key] = seq + 1
-            self.summary.gaps += 1
-            self.summary.missing += seq - expected
+            summary.gaps += 1
+            summary.missing += seq - expected
+            gaps = self.open_gaps.setdefault(key, [])
+            gaps.append([expected, seq])
+            del gaps[:-self.MAX_OPEN_GAPS]
             return expected, seq
-        kind = "restart" if seq == 0 else "duplicate" if seq == expected - 1 else "reorder"
-        if kind == "restart":
-            self.summary.restarts += 1
+        if self.fill(key, seq):
+            kind = "late arrival"
+            summary.reorders += 1
+            summary.missing -= 1
+        elif seq == 0 and expected > 1:
+            kind = "restart"
+            summary.restarts += 1
             self.next_seq[key] = 1
-        elif kind == "duplicate":
-            self.summary.duplicates += 1
+            self.open_gaps.pop(key, None)
         else:
-            self.summary.reorders += 1
+            kind = "duplicate"
+            summary.duplicates += 1
         if self.diagnostics:
             self.diagnostics.sequence(key, kind, expected, seq)
         return None
+
+    def fill(self, key: Any, seq: int) -> bool:
+        """Take ``seq`` out of the open gaps of ``key``; False if it was not missing."""
+        for i, (first, end) in enumerate(self.open_gaps.get(key, ())):
+            if first <= seq < end:
+                gaps = self.open_gaps[key]
+                gaps[i:i + 1] = [r for r in ([first, seq], [seq + 1, end]) if r[0] < r[1]]
+                return True
+        return False
 
 
 class Source(Protocol):
@@ -346,10 +370,12 @@ def run(
         pending: tuple | list = (batch,)
         if gap is not None:
             recovered = recover(batch, *gap) if recover else []
+            for item in recovered:
+                tracker.fill(batch.publisher, item.seq)
             summary.recovered += len(recovered)
             summary.missing -= len(recovered)
             if diagnostics:
-                diagnostics.gap(batch.publisher, gap[0], gap[1], len(recovered))
+                diagnostics.gap(batch.publisher, gap[0], gap[1], [b.seq for b in recovered])
             pending = [*recovered, batch]
         for item in pending:
             summary.batches += 1

@@ -196,3 +196,33 @@ def test_filtered_recording_keeps_every_seq(engine, tmp_path):
     result = run_kvctl("cat", str(path), "--json")
     assert [r["block_hashes"] for r in rows_of(result.stdout.decode())] == [[0], [2], [4]]
     assert "gaps 0" in result.stderr.decode() and "in 6 batches" in result.stderr.decode()
+
+
+def test_partly_recovered_gap_records_only_what_stayed_missing(engine, tmp_path):
+    from conftest import free_port
+
+    from kvctl.transports.zmq import ReplayServer
+
+    path = tmp_path / "gap.parquet"
+    replay = ReplayServer(f"tcp://127.0.0.1:{free_port()}")
+    try:
+        proc = start_kvctl("record", engine.endpoint, "--replay-endpoint", replay.endpoint,
+                           "-o", str(path), "-c", "4", "-q")
+        engine.wait_for()
+        for seq in range(6):
+            frames = engine.batch([removed([seq])], seq=seq)
+            if seq != 4:
+                replay.remember(seq, frames[0], frames[2])  # seq 4 is lost for good
+            if seq not in (3, 4):
+                engine.send_raw(frames)  # 3 and 4 never arrive live
+        deadline = time.monotonic() + 15
+        while proc.poll() is None and time.monotonic() < deadline:
+            replay.serve_pending()
+            time.sleep(0.01)
+        rc, _, err = finish(proc)
+    finally:
+        replay.close()
+    assert rc == 0, err
+    info = json.loads(run_kvctl("inspect", str(path), "--json").stdout)
+    assert (info["gaps"], info["missing"]) == (1, 1)
+    assert [(g["from_seq"], g["to_seq"]) for g in info["gap_list"]] == [(4, 4)]

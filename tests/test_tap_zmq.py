@@ -145,14 +145,15 @@ def test_idle_timeout_stops_a_silent_stream(engine, mode):
 def test_sequence_anomalies_are_counted_and_shown(engine):
     proc = start_kvctl("tap", engine.endpoint, "--json", "--idle-timeout", "1")
     engine.wait_for()
-    for seq in (0, 1, 4, 4, 2, 0):
+    for seq in (0, 1, 4, 4, 2, 0, 0):
         engine.send([removed([seq])], seq=seq)
     rc, out, err = finish(proc)
     assert rc == 0
     assert "gap from" in err and "seq 2..3 missing (2 batches, not recovered)" in err
-    assert "duplicate from" in err and "reorder from" in err
-    assert "gaps 1 (2 batches missing, 0 recovered), duplicates 1, reorders 1" in err
-    assert len(json_lines(out)) == 6  # anomalies are shown, not dropped
+    assert "duplicate from" in err and "late arrival from" in err and "restart from" in err
+    # seq 2 arrived late: only seq 3 is still missing; the second 0 repeats the restart's 0
+    assert "gaps 1 (1 batches missing, 0 recovered), duplicates 2, reorders 1" in err
+    assert len(json_lines(out)) == 7  # anomalies are shown, not dropped
 
 
 @pytest.mark.parametrize("with_topic", [True, False])

@@ -158,9 +158,14 @@ class RecordingSink:
             self.writer.write(batch)
         self.shown.malformed(batch)
 
-    def gap(self, publisher: Any, expected: int, got: int, recovered: int) -> None:
-        if got - expected > recovered:  # what the replay socket could not fill stays a gap
-            self.writer.write_gap(publisher, expected, got - 1, source=str(publisher))
+    def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None:
+        """One Gap row per run of seqs the replay socket could not fill. A batch that arrives
+        later still is recorded too (the reader then sees it as a late arrival)."""
+        start = expected
+        for seq in [*sorted(s for s in recovered if expected <= s < got), got]:
+            if seq > start:
+                self.writer.write_gap(publisher, start, seq - 1, source=str(publisher))
+            start = seq + 1
         self.shown.gap(publisher, expected, got, recovered)
 
     def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None:
