@@ -16,7 +16,12 @@ from .pipeline import Filters, Limits, LiveSource, RecordingSource, SourceSpec, 
 
 
 class Interrupted(KvctlError):
+    """Ctrl-C or SIGTERM: exit 130 after the summary (the message; empty with ``-q``)."""
+
     exit_code = ExitCode.INTERRUPTED
+
+    def __init__(self, summary: str = "", quiet: bool = False) -> None:
+        super().__init__("" if quiet else summary)
 
 
 def open_source(sources: tuple[str, ...] | list[str], **connection: Any) -> Any:
@@ -56,7 +61,7 @@ def stream(params: dict[str, Any], connection: dict[str, Any] | None = None,
             strict=params.get("strict", False), summary=summary, on_batch=on_batch)
     except KeyboardInterrupt:
         summary.stopped_by = "interrupt"
-        raise Interrupted(summary.line()) from None
+        raise Interrupted(summary.line(), params.get("quiet", False)) from None
     finally:
         sink.close()
         source.close()

@@ -226,3 +226,13 @@ def test_partly_recovered_gap_records_only_what_stayed_missing(engine, tmp_path)
     info = json.loads(run_kvctl("inspect", str(path), "--json").stdout)
     assert (info["gaps"], info["missing"]) == (1, 1)
     assert [(g["from_seq"], g["to_seq"]) for g in info["gap_list"]] == [(4, 4)]
+
+
+def test_unwritable_output_is_a_clear_error(tmp_path):
+    recording = tmp_path / "in.parquet"
+    assert run_kvctl("simulate", "-o", str(recording), "--workers", "1", "--requests", "3",
+                     "-q").returncode == 0
+    for target in (tmp_path / "missing-dir" / "x.parquet", "/proc/x.parquet"):
+        result = run_kvctl("record", str(recording), "-o", str(target), "-q")
+        assert result.returncode == 1, result.stderr
+        assert b"cannot write" in result.stderr and b"Traceback" not in result.stderr

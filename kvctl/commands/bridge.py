@@ -69,7 +69,7 @@ def command(**params: Any) -> None:
     print_report(report, params, diagnostics)
     diagnostics.say("kvctl: received " + summary.line(), "dim")
     if interrupted:
-        raise Interrupted("interrupted")
+        raise Interrupted("interrupted", params["quiet"])
 
 
 class _Forwarding:

@@ -176,7 +176,7 @@ def command(**params: Any) -> None:
     else:
         print_report(report, summary, fail, Console(highlight=False, soft_wrap=True))
     if interrupted:
-        raise Interrupted(summary.line())
+        raise Interrupted(summary.line(), params["quiet"])
     if not quiet:
         err.print(f"[dim]kvctl: {summary.line()}[/]")
     if fail:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sys
 import time
@@ -55,6 +56,7 @@ def command(**params: Any) -> None:
       kvctl record nats://127.0.0.1:4222 --from-start -o dynamo.parquet --idle-timeout 30
       duckdb -c "SELECT type, count(*) FROM 'run.parquet' GROUP BY 1"
     """
+    from ..errors import TransportError
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import LiveSource, Summary, run
     from ..session import Interrupted, make_filters, make_limits, open_source
@@ -65,11 +67,16 @@ def command(**params: Any) -> None:
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
     source = open_source(params["sources"], **connection_kwargs(params))
     filters = make_filters(params)
-    writer = RecordingWriter(
-        params["output"], rotate_size=int(rotate_size) if rotate_size else None,
-        rotate_every=rotate_every, fsync=params["fsync"], filters=filters,
-        labels=_labels(params["sources"]),
-        metadata={"sources": list(params["sources"]), "command": sys.argv[1:]})
+    _check_writable(params["output"])
+    try:
+        writer = RecordingWriter(
+            params["output"], rotate_size=int(rotate_size) if rotate_size else None,
+            rotate_every=rotate_every, fsync=params["fsync"], filters=filters,
+            labels=_labels(params["sources"]),
+            metadata={"sources": list(params["sources"]), "command": sys.argv[1:]})
+    except OSError as exc:
+        source.close()
+        raise TransportError(f"{params['output']}: cannot write: {exc.strerror or exc}") from None
     summary = Summary()
     progress = None
     interrupted = False
@@ -92,15 +99,34 @@ def command(**params: Any) -> None:
         if progress is not None:
             progress.stop()
         source.close()
-        result = writer.close()
+        try:
+            result = writer.close()
+        except OSError as exc:  # disk full, file system gone: what was flushed is recoverable
+            hint = (f"; `kvctl recover {params['output']}` restores what was flushed"
+                    if os.path.exists(params["output"] + ".journal")
+                    or os.path.isdir(params["output"]) else "")
+            raise TransportError(f"{params['output']}: cannot write: "
+                                 f"{exc.strerror or exc}{hint}") from None
     report = {"summary": summary.to_json(), "recording": result}
     if params["as_json"]:
         click.echo(dumps(report))
     line = (f"kvctl: recorded {summary.line()} -> {params['output']} "
             f"({result.get('bytes', 0):,} bytes)")
     if interrupted:
-        raise Interrupted(line.removeprefix("kvctl: "))
+        raise Interrupted(line.removeprefix("kvctl: "), params["quiet"])
     diagnostics.say(line, "dim")
+
+
+def _check_writable(output: str) -> None:
+    """Fail before anything is read, not at the first flush a second later."""
+    from pathlib import Path
+
+    from ..errors import TransportError
+
+    parent = Path(output).resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise TransportError(f"{output}: cannot write there ({parent} is not a writable "
+                             "directory)")
 
 
 def _labels(sources: Any) -> dict[str, tuple[Any, Any]] | None:

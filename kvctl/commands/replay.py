@@ -191,7 +191,7 @@ def command(**params: Any) -> None:
     report = make_report(sender, elapsed, schedule, time.process_time() - cpu_start)
     print_report(report, params, diagnostics)
     if interrupted:
-        raise Interrupted("interrupted")
+        raise Interrupted("interrupted", params["quiet"])
 
 
 def _salt(loop: int) -> int:

@@ -142,7 +142,7 @@ def command(**params: Any) -> None:
             if display is not None:
                 display.tick()
     except KeyboardInterrupt:
-        raise Interrupted(_summary_line(fleet, counts)) from None
+        raise Interrupted(_summary_line(fleet, counts), params["quiet"]) from None
     finally:
         if display is not None:
             display.stop()

@@ -202,6 +202,6 @@ def command(**params: Any) -> None:
         if not quiet:
             err.print(f"[dim]kvctl: wrote {', '.join(str(p) for p in written)}[/]")
     if interrupted:
-        raise Interrupted(summary.line())
+        raise Interrupted(summary.line(), params["quiet"])
     if not quiet:
         err.print(f"[dim]kvctl: {summary.line()}[/]")

@@ -347,6 +347,6 @@ def command(**params: Any) -> None:
     if view["quit"]:
         summary.stopped_by = "q"
     if interrupted:
-        raise Interrupted(summary.line())
+        raise Interrupted(summary.line(), params["quiet"])
     if not quiet:
         err.print(f"[dim]kvctl: {summary.line()}[/]")
