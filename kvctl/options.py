@@ -82,6 +82,14 @@ output_options = _stack(
 )
 
 
+report_options = _stack(
+    click.option("--json", "as_json", is_flag=True,
+                 help="The final report as one JSON object on stdout."),
+    click.option("-q", "--quiet", is_flag=True, help="No progress, diagnostics or report on "
+                                                     "stderr."),
+)
+
+
 def connection_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     """Turn the source options of a command into LiveSource keyword arguments."""
     from .transports.nats import NatsOptions
@@ -90,6 +98,7 @@ def connection_kwargs(params: dict[str, Any]) -> dict[str, Any]:
         user=params["nats_user"], password=params["nats_password"], token=params["nats_token"],
         creds=params["nats_creds"], tls_ca=params["tls_ca"], tls_cert=params["tls_cert"],
         tls_key=params["tls_key"], connect_timeout=params["connect_timeout"] or 5.0,
+        wait_forever=params["connect_timeout"] == 0,
     )
     return {
         "nats_options": nats_options,

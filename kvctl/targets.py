@@ -79,13 +79,13 @@ class ZmqTarget:
         self.replays: list[Any] = []
         self.bytes_sent = 0
         if not per_worker:
-            self._socket(0)  # bind now: consumers may connect before the first batch
+            self.socket(0)  # bind now: consumers may connect before the first batch
 
     def open_slots(self, count: int) -> list[str]:
         """Bind ``count`` sockets now (simulate knows its workers up front)."""
-        return [self._socket(i).endpoint for i in range(count)]
+        return [self.socket(i).endpoint for i in range(count)]
 
-    def _socket(self, slot: int) -> Any:
+    def socket(self, slot: int) -> Any:
         from .transports.zmq import Publisher, ReplayServer
 
         while len(self.sockets) <= slot:
@@ -112,7 +112,7 @@ class ZmqTarget:
         """Bind the socket of every worker in ``batches`` up front (in order of appearance),
         so that subscribers can join before anything is sent."""
         for batch in batches:
-            self._socket(self.slot_for(batch))
+            self.socket(self.slot_for(batch))
 
     def frames(self, batch: Batch, events: list[Event], slot: int) -> list[bytes]:
         seq = batch.seq if self.keep_seq and batch.seq is not None else self.seqs[slot]
@@ -139,7 +139,7 @@ class ZmqTarget:
 
     def write(self, batch: Batch, events: list[Event], slot: int | None = None) -> int:
         slot = self.slot_for(batch) if slot is None else slot
-        sock = self._socket(slot)
+        sock = self.socket(slot)
         frames = self.frames(batch, events, slot)
         sock.send(frames)
         if self.replays:
@@ -355,7 +355,7 @@ class Sender:
     def write_raw(self, batch: Batch) -> bool:
         """Send a malformed message's frames exactly as recorded (raw ZMQ replay only)."""
         if isinstance(self.target, ZmqTarget) and self.encoding in (None, "raw") and batch.frames:
-            self.target._socket(self.target.slot_for(batch)).send(batch.frames)
+            self.target.socket(self.target.slot_for(batch)).send(batch.frames)
             self.bytes += sum(map(len, batch.frames))
             self.batches += 1
             return True

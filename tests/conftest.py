@@ -77,8 +77,8 @@ def nats_server_binary() -> str:
 
 
 class NatsServer:
-    def __init__(self, store: Path, *extra: str) -> None:
-        self.port = free_port()
+    def __init__(self, store: Path, *extra: str, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",

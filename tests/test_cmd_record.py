@@ -179,6 +179,11 @@ def test_unreadable_recording_is_a_clear_error(tmp_path):
         result = run_kvctl(*cmd)
         assert result.returncode == 1, cmd
         assert b"cannot read recording" in result.stderr and b"Traceback" not in result.stderr
+    empty = tmp_path / "not-a-recording"
+    empty.mkdir()
+    for cmd in (["cat", str(empty)], ["inspect", str(empty)]):
+        result = run_kvctl(*cmd)
+        assert result.returncode == 1 and b"no recording in" in result.stderr, cmd
     missing = run_kvctl("recover", str(tmp_path / "none.parquet"))
     assert missing.returncode == 1 and b"no journal" in missing.stderr
 

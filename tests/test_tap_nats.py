@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import msgpack
 import nats
@@ -132,3 +133,23 @@ async def _publish_auth(url: str) -> None:
                      encode_json(router_event({"type": "AllBlocksCleared"}, 1, 0)))
     await nc.flush()
     await nc.close()
+
+
+def test_connect_timeout_0_waits_for_a_server_that_starts_later(tmp_path):
+    from conftest import NatsServer
+
+    port = free_port()
+    proc = start_kvctl("tap", f"nats://127.0.0.1:{port}", "--connect-timeout", "0", "--json",
+                       "-c", "1")
+    time.sleep(1.5)  # nothing to wait on: the point is that no server is there yet
+    assert proc.poll() is None, "tap gave up instead of waiting for the server"
+    server = NatsServer(tmp_path, port=port)
+    try:
+        wait_ready(proc)
+        publish(server.url, [("namespace.a.component.b.kv_events",
+                              encode_json(router_event({"type": "AllBlocksCleared"}, 1, 0)))])
+        rc, out, err = finish(proc)
+    finally:
+        server.stop()
+    assert rc == 0, err
+    assert json.loads(out)["type"] == "AllBlocksCleared"

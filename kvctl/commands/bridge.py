@@ -11,10 +11,10 @@ from ..options import (
     connection_kwargs,
     filter_options,
     limit_options,
-    output_options,
+    report_options,
     source_arguments,
 )
-from .replay import make_report, open_target_from, print_report, with_target_options
+from .replay import linger, make_report, open_target_from, print_report, with_target_options
 
 
 @click.command("bridge")
@@ -22,7 +22,7 @@ from .replay import make_report, open_target_from, print_report, with_target_opt
 @with_target_options
 @filter_options
 @limit_options
-@output_options
+@report_options
 def command(**params: Any) -> None:
     """Forward live streams to a target as they arrive: engine ZMQ -> Dynamo on NATS (what
     Dynamo's ZMQ relay does in-process), old vLLM arrays -> the new map form, NATS -> ZMQ.
@@ -56,6 +56,7 @@ def command(**params: Any) -> None:
                         "dim")
         run(source, sender, make_limits(params), make_filters(params),
             _Forwarding(diagnostics, sender), summary=summary)
+        linger(target, params["linger"])
     except KeyboardInterrupt:
         interrupted = True
     finally:

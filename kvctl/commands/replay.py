@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from ..options import filter_options, output_options
+from ..options import filter_options, report_options
 from ..targets import NATS_FORMATS, ZMQ_FORMATS
 
 target_options = [
@@ -88,7 +88,7 @@ def parse_window(value: str | None) -> tuple[str, float] | None:
 @filter_options
 @click.option("-c", "--count", type=click.IntRange(min=1), metavar="N",
               help="Stop after N events.")
-@output_options
+@report_options
 def command(**params: Any) -> None:
     """Replay recordings into an engine (ZMQ PUB that binds) or a router (Dynamo on NATS),
     in any producer's format, at the recorded pace, scaled, or at a fixed rate.
@@ -177,11 +177,7 @@ def command(**params: Any) -> None:
             loop += 1
             if remaining == 0:
                 break
-        if params["linger"]:
-            deadline = time.monotonic() + params["linger"]
-            while time.monotonic() < deadline:
-                target.service()
-                time.sleep(0.01)
+        linger(target, params["linger"])
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -192,6 +188,14 @@ def command(**params: Any) -> None:
     print_report(report, params, diagnostics)
     if interrupted:
         raise Interrupted("interrupted", params["quiet"])
+
+
+def linger(target: Any, seconds: float) -> None:
+    """Keep the target's sockets (and replay ROUTERs, still answering) open a while."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        target.service()
+        time.sleep(0.01)
 
 
 def _salt(loop: int) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ..options import output_options
+from ..options import report_options
 
 
 @click.command("simulate")
@@ -62,7 +62,7 @@ from ..options import output_options
               help="Hold the first batch until N subscribers joined each worker's socket.")
 @click.option("--start-delay", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
               help="Wait this long after binding before publishing.")
-@output_options
+@report_options
 def command(**params: Any) -> None:
     """Run a synthetic engine fleet that publishes realistic KV-cache events.
 

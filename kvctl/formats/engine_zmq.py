@@ -25,7 +25,6 @@ from ..events import (
     Event,
 )
 
-SEQ_END_MARKER = 0xFFFF_FFFF_FFFF_FFFF
 _ARRAY_FIELDS = {BLOCK_STORED: STORED_ARRAY_FIELDS, BLOCK_REMOVED: REMOVED_ARRAY_FIELDS}
 
 # Whole-array lengths (tag included) of each vLLM release that changed them.

@@ -670,6 +670,8 @@ def _sources(path: Path) -> list[tuple[str, Path]]:
             elif (m := _SEGMENT_JOURNAL_RE.match(e.name)) and not (
                     path / e.name[1: -len(JOURNAL_SUFFIX)]).exists():
                 items.append((int(m.group(1)), "journal", e))
+        if not items and not (path / MANIFEST_NAME).exists():
+            raise FileNotFoundError(f"no recording in {path} (no segments, no manifest)")
         return [(kind, p) for _, kind, p in sorted(items)]
     if path.name.endswith(JOURNAL_SUFFIX):
         return [("journal", path)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,8 @@ class NatsOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     connect_timeout: float = 5.0
+    wait_forever: bool = False
+    """Retry the first connection until it succeeds (--connect-timeout 0)."""
 
     def connect_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -100,8 +103,10 @@ class Subscriber:
 
     def start(self) -> None:
         self._thread.start()
-        if not self._ready.wait(self.options.connect_timeout + 5):
-            raise TransportError(f"{self.server}: no answer from the NATS server")
+        deadline = time.monotonic() + self.options.connect_timeout + 5
+        while not self._ready.wait(0.2):  # short waits: Ctrl-C stays responsive
+            if not self.options.wait_forever and time.monotonic() > deadline:
+                raise TransportError(f"{self.server}: no answer from the NATS server")
         if self._error:
             raise TransportError(self._error)
 
@@ -134,14 +139,20 @@ class Subscriber:
         async def on_error(exc: Exception) -> None:
             closed_reason.append(str(exc) or type(exc).__name__)
 
-        try:
-            nc = await nats.connect(servers=[self.server], closed_cb=on_closed,
-                                    error_cb=on_error, **self.options.connect_kwargs())
-        except Exception as exc:
-            reason = closed_reason[-1] if closed_reason else (str(exc) or type(exc).__name__)
-            self._error = f"{self.server}: cannot connect to NATS: {reason}"
-            self._ready.set()
-            return
+        while True:
+            try:
+                nc = await nats.connect(servers=[self.server], closed_cb=on_closed,
+                                        error_cb=on_error, **self.options.connect_kwargs())
+                break
+            except Exception as exc:
+                if self.options.wait_forever and not self._stopping:
+                    closed_reason.clear()
+                    await asyncio.sleep(1.0)  # the server may come up later: keep trying
+                    continue
+                reason = closed_reason[-1] if closed_reason else (str(exc) or type(exc).__name__)
+                self._error = f"{self.server}: cannot connect to NATS: {reason}"
+                self._ready.set()
+                return
         jetstream_subjects: set[str] = set()
 
         async def forward(msg: Any) -> None:
@@ -243,9 +254,6 @@ class Publisher:
             wake = len(self._queue) == 1
         if wake:
             self._loop.call_soon_threadsafe(self._wake.set)
-
-    def backlog(self) -> int:
-        return len(self._queue)
 
     def _raise_if_failed(self) -> None:
         if self._error:
