@@ -115,13 +115,14 @@ def test_kill_9_loses_at_most_the_last_second(engine, tmp_path):
     engine.wait_for()
     for i in range(50):
         engine.send([removed([i])])
-    deadline = time.monotonic() + 15
+    sent = time.monotonic()
     flushed = 0
-    while time.monotonic() < deadline and flushed < 50:  # the journal is the readiness signal
+    while time.monotonic() < sent + 15 and flushed < 50:  # the journal is the readiness signal
         if journal.exists():
             flushed = sum(rb.num_rows for rb in read_journal(journal))
-        time.sleep(0.1)
-    assert flushed == 50, "the recorder did not flush within its 1 s promise"
+        time.sleep(0.05)
+    # 1 s promise, plus slack for a loaded 2-core machine (delivery, scheduling)
+    assert flushed == 50 and time.monotonic() - sent < 3.0, "no flush within the 1 s promise"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
     assert not path.exists() and journal.exists()
