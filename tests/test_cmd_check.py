@@ -13,6 +13,7 @@ from conftest import (
     finish,
     free_port,
     interrupt,
+    read_line,
     removed,
     run_kvctl,
     start_kvctl,
@@ -214,7 +215,8 @@ def test_ctrl_c_still_prints_the_report_then_exits_130(engine):
     proc = start_kvctl("check", engine.endpoint, "--json")
     engine.wait_for()
     engine.send([removed([5])])
-    time.sleep(0.5)  # let it arrive before the interrupt
+    while "KV101" not in read_line(proc.stderr):  # the live finding: check has seen it
+        pass
     interrupt(proc)
     rc, out, err = finish(proc)
     assert rc == 130, err

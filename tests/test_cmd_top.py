@@ -11,7 +11,16 @@ import time
 import uuid
 
 import pytest
-from conftest import REPO, finish, interrupt, removed, run_kvctl, start_kvctl, stored
+from conftest import (
+    REPO,
+    finish,
+    interrupt,
+    read_line,
+    removed,
+    run_kvctl,
+    start_kvctl,
+    stored,
+)
 
 from kvctl.formats.engine_zmq import encode_frames, encode_payload
 
@@ -117,10 +126,12 @@ def test_gap_and_malformed_show_on_the_worker_row(engine):
 
 
 def test_ctrl_c_exits_130_after_a_final_snapshot(engine):
-    proc = start_kvctl("top", engine.endpoint, "--refresh", "5")
+    proc = start_kvctl("top", engine.endpoint, "--refresh", "0.2")
     engine.wait_for()
     Workload(engine).drive(0.3)
-    time.sleep(0.3)
+    seen = ""
+    while "a[dp0]" not in seen:  # a snapshot that shows the worker: top has its events
+        seen = read_line(proc.stdout)
     interrupt(proc)
     rc, out, err = finish(proc)
     assert rc == 130, err
