@@ -183,3 +183,12 @@ def free_port_range(count: int) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no free port range")
+
+
+def serve_replays_until_exit(replay, proc: subprocess.Popen, timeout: float = 15) -> None:
+    """Answer a kvctl process's replay requests (a test's stand-in for an engine's replay
+    ROUTER) until it exits; bounded in time."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        replay.serve_pending()
+        time.sleep(0.01)

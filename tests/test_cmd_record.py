@@ -9,7 +9,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import finish, read_line, removed, run_kvctl, start_kvctl, stored
+from conftest import (
+    finish,
+    read_line,
+    removed,
+    run_kvctl,
+    serve_replays_until_exit,
+    start_kvctl,
+    stored,
+)
 from test_tap_nats import publish
 
 from kvctl.formats.dynamo import encode_envelope, encode_json, router_event
@@ -221,10 +229,7 @@ def test_partly_recovered_gap_records_only_what_stayed_missing(engine, tmp_path)
                 replay.remember(seq, frames[0], frames[2])  # seq 4 is lost for good
             if seq not in (3, 4):
                 engine.send_raw(frames)  # 3 and 4 never arrive live
-        deadline = time.monotonic() + 15
-        while proc.poll() is None and time.monotonic() < deadline:
-            replay.serve_pending()
-            time.sleep(0.01)
+        serve_replays_until_exit(replay, proc)
         rc, _, err = finish(proc)
     finally:
         replay.close()

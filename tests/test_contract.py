@@ -77,3 +77,9 @@ def test_exit_codes_are_documented():
     readme = (REPO / "README.md").read_text()
     for code in ("0", "1", "2", "3", "130"):
         assert re.search(rf"^\| `?{code}`? \|", readme, re.M), f"exit code {code} not in README"
+
+
+def test_readme_rule_table_is_the_checker_s():
+    from kvctl.checks import rules_markdown
+
+    assert rules_markdown().strip() in (REPO / "README.md").read_text()

@@ -14,6 +14,7 @@ from conftest import (
     read_line,
     removed,
     run_kvctl,
+    serve_replays_until_exit,
     start_kvctl,
     stored,
 )
@@ -168,10 +169,7 @@ def test_gap_recovered_from_replay_socket(engine, with_topic):
             replay.remember(seq, frames[0], frames[2])
             if seq not in (2, 3):  # the engine "drops" 2 and 3 on the live socket
                 engine.send_raw(frames)
-        deadline = time.monotonic() + 15
-        while proc.poll() is None and time.monotonic() < deadline:
-            replay.serve_pending()
-            time.sleep(0.01)
+        serve_replays_until_exit(replay, proc)
         rc, out, err = finish(proc)
     finally:
         replay.close()
