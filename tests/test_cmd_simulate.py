@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 from conftest import finish, free_port_range, run_kvctl, start_kvctl
+from inprocess import run_main
 from test_tap_nats import wait_ready
 
 SIM = ["simulate", "--requests", "40", "--topspeed", "--num-blocks", "400", "--epoch", "1e9",
@@ -173,3 +174,44 @@ def test_wait_for_two_subscribers():
         rc, tapped, err = finish(tap, timeout=60)
         assert rc == 0, err
         assert len(tapped.splitlines()) == events > 0  # both were there from the first batch
+
+
+GOOD_LINE = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'
+
+
+@pytest.mark.parametrize("bad,problem", [
+    ("{not json", "not JSON"),
+    ('[1, 2, 3]', "expected a JSON object"),
+    ('{"input_length": 600, "output_length": 5, "hash_ids": [1, 2]}', "missing timestamp"),
+    ('{"timestamp": "soon", "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}',
+     "timestamp must be a number"),
+    ('{"timestamp": 10, "input_length": "600", "output_length": 5, "hash_ids": [1, 2]}',
+     "input_length must be an integer"),
+    ('{"timestamp": 10, "input_length": 600, "output_length": null, "hash_ids": [1, 2]}',
+     "output_length must be an integer"),
+    ('{"timestamp": 10, "input_length": 600, "output_length": 5}', "missing hash_ids"),
+    ('{"timestamp": 10, "input_length": 600, "output_length": 5, "hash_ids": "1,2"}',
+     "hash_ids must be a list of integers"),
+    ('{"timestamp": 10, "input_length": 600, "output_length": 5, "hash_ids": [1]}',
+     "cannot cover input_length 600"),
+])
+def test_bad_trace_line_is_named_and_leaves_no_recording(tmp_path, bad, problem):
+    """A bad line anywhere in the trace: `FILE:LINE: problem`, exit 2, and nothing written (the
+    trace is checked before the recording is opened; line 3 after a blank line 2)."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(f"{GOOD_LINE}\n\n{bad}\n{GOOD_LINE.replace(': 0,', ': 20,')}\n")
+    output = tmp_path / "out.parquet"
+    result = run_main("simulate", "--trace", str(trace), "-o", str(output), "--workers", "1")
+    lines = result.err.splitlines()
+    assert result.code == 2 and len(lines) == 1, result.err
+    assert lines[0].startswith(f"kvctl: {trace}:3: ") and problem in lines[0], lines[0]
+    assert "Traceback" not in result.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.jsonl"]  # no file, journal, temp
+
+
+def test_trace_out_of_time_order_is_refused(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(f"{GOOD_LINE.replace(': 0,', ': 50,')}\n{GOOD_LINE}\n")
+    result = run_main("simulate", "--trace", str(trace), "--workers", "1", "--base-port",
+                      str(free_port_range(1)))
+    assert result.code == 2 and f"{trace}:2: timestamp 0 is earlier" in result.err

@@ -80,6 +80,8 @@ def command(**params: Any) -> None:
       kvctl simulate --trace conversation_trace.jsonl --num-blocks 65536 --speedup 10
     """
     from ..engine import Fleet
+    from ..engine.workload import TraceError
+    from ..errors import UsageError
     from ..events import Batch
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import Schedule
@@ -87,12 +89,17 @@ def command(**params: Any) -> None:
     from ..targets import RecordingTarget, open_target
 
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
-    fleet = Fleet(workers=params["workers"], num_blocks=params["num_blocks"],
-                  block_size=params["block_size"],
-                  max_num_batched_tokens=params["max_num_batched_tokens"], rate=params["rate"],
-                  prefixes=params["prefixes"], router=params["router"], trace=params["trace"],
-                  requests=params["requests"], duration=params["duration"], seed=params["seed"],
-                  speedup=1.0)
+    try:  # the whole trace is checked here, before any socket or file is opened
+        fleet = Fleet(workers=params["workers"], num_blocks=params["num_blocks"],
+                      block_size=params["block_size"],
+                      max_num_batched_tokens=params["max_num_batched_tokens"],
+                      rate=params["rate"], prefixes=params["prefixes"], router=params["router"],
+                      trace=params["trace"], requests=params["requests"],
+                      duration=params["duration"], seed=params["seed"], speedup=1.0)
+    except TraceError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"{params['trace']}: cannot read trace: {exc.strerror or exc}") from None
     to = params["to"] or f"tcp://{params['host']}:{params['base_port']}"
     if params["output"] and params["to"]:
         raise click.UsageError("-o writes a recording; --to publishes: choose one")

@@ -185,7 +185,8 @@ class TraceWorkload:
     """Replays a Mooncake-style JSONL trace (``timestamp`` ms, ``input_length``,
     ``output_length``, ``hash_ids`` of 512 tokens each). Arrival = timestamp / 1000 / speedup
     seconds; prompt tokens come from :func:`expand_trace_tokens`; output tokens are random
-    (seeded). Records with ``output_length`` < 1 get one output token."""
+    (seeded). Records with ``output_length`` 0 get one output token. The whole file is
+    checked when the workload is made: a bad line raises :class:`TraceError`."""
 
     def __init__(
         self,
@@ -202,7 +203,10 @@ class TraceWorkload:
         self.limit = requests
         self.block_tokens = block_tokens
         self._rng = Random(seed * 4 + 3)
-        self._records = read_trace(self.path)
+        # Check every line before the first request: a bad line found mid-run would leave a
+        # truncated recording (or a half-published stream) behind.
+        self.total = sum(1 for _ in read_trace(self.path, block_tokens))
+        self._records = read_trace(self.path, block_tokens)
         self._head = next(self._records, None)
         self.issued = 0
 
@@ -218,7 +222,7 @@ class TraceWorkload:
         t = rec["timestamp"] / 1000.0 / self.speedup
         self._head = next(self._records, None)
         prompt = expand_trace_tokens(rec["hash_ids"], rec["input_length"], self.block_tokens)
-        out = random_tokens(self._rng, max(1, int(rec.get("output_length") or 0)))
+        out = random_tokens(self._rng, max(1, rec["output_length"]))
         rid = self.issued
         self.issued += 1
         return Request(rid, prompt + out, len(prompt), arrival=t)
@@ -227,9 +231,68 @@ class TraceWorkload:
         pass
 
 
-def read_trace(path: str | Path) -> Iterator[dict]:
-    """Records of a JSONL trace, in file order (blank lines skipped)."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+class TraceError(ValueError):
+    """A trace line that cannot be replayed; the message reads ``PATH:LINE: what is wrong``."""
+
+    def __init__(self, path: str | Path, line: int, problem: str) -> None:
+        super().__init__(f"{path}:{line}: {problem}")
+        self.path = str(path)
+        self.line = line
+        self.problem = problem
+
+
+_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _trace_problem(record: object, previous_ts: float, block_tokens: int) -> str | None:
+    """What is wrong with one parsed trace line, or None."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object with {', '.join(_FIELDS)}, got {type(record).__name__}"
+    missing = [name for name in _FIELDS if name not in record]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    ts = record["timestamp"]
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts) \
+            or ts < 0:
+        return f"timestamp must be a number of milliseconds >= 0, got {ts!r}"
+    if ts < previous_ts:
+        return (f"timestamp {ts!r} is earlier than the previous line's {previous_ts!r} "
+                "(a trace is replayed in time order)")
+    input_length, output_length = record["input_length"], record["output_length"]
+    if not _is_int(input_length) or input_length < 1:
+        return f"input_length must be an integer >= 1, got {input_length!r}"
+    if not _is_int(output_length) or output_length < 0:
+        return f"output_length must be an integer >= 0, got {output_length!r}"
+    hash_ids = record["hash_ids"]
+    if not isinstance(hash_ids, list) or not all(_is_int(h) for h in hash_ids):
+        return f"hash_ids must be a list of integers, got {json.dumps(hash_ids)[:60]}"
+    if len(hash_ids) * block_tokens < input_length:
+        return (f"{len(hash_ids)} hash_ids of {block_tokens} tokens cannot cover "
+                f"input_length {input_length}")
+    return None
+
+
+def read_trace(path: str | Path, block_tokens: int = TRACE_BLOCK_TOKENS) -> Iterator[dict]:
+    """Records of a JSONL trace, in file order (blank lines skipped); a line that is not a
+    valid record raises :class:`TraceError` naming the file and line (1-based)."""
+    previous_ts: float = 0.0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise TraceError(path, number, "not UTF-8 text") from None
+            except json.JSONDecodeError as exc:
+                raise TraceError(path, number, f"not JSON ({exc.msg} at column {exc.colno})"
+                                 ) from None
+            problem = _trace_problem(record, previous_ts, block_tokens)
+            if problem:
+                raise TraceError(path, number, problem)
+            previous_ts = record["timestamp"]
+            yield record
