@@ -19,6 +19,7 @@ from conftest import (
     start_kvctl,
     stored,
 )
+from inprocess import run_main
 
 from kvctl.events import Batch
 from kvctl.pipeline import Filters, Limits, run
@@ -223,3 +224,24 @@ def test_ctrl_c_still_prints_the_report_then_exits_130(engine):
     rep = report(out)
     assert [r["id"] for r in rep["rules"]] == ["KV101"] and rep["exit_code"] == 130
     assert "stopped by interrupt" in err
+
+
+@pytest.fixture(scope="module")
+def wrong_block_size_recording(tmp_path_factory) -> str:
+    """A simulated recording with 16-token blocks: `--block-size 8` makes every store KV202."""
+    path = str(tmp_path_factory.mktemp("check") / "sim.parquet")
+    result = run_main("simulate", "-o", path, "--workers", "2", "--requests", "20", "-q")
+    assert result.code == 0, result.err
+    return path
+
+
+@pytest.mark.parametrize("max_examples", [1, 7])
+def test_text_report_prints_max_examples_per_rule(wrong_block_size_recording, max_examples):
+    result = run_main("check", wrong_block_size_recording, "--block-size", "8", "-q",
+                      "--max-examples", str(max_examples))
+    assert result.code == 3, result.err
+    examples = [line for line in result.out.splitlines() if line.startswith("  KV202 error")]
+    assert len(examples) == max_examples, result.out
+    total = json.loads(run_main("check", wrong_block_size_recording, "--block-size", "8", "-q",
+                                "--json").out)["rules"][0]["count"]
+    assert f"KV202: … {total - max_examples} more" in result.out

@@ -15,6 +15,7 @@ from ..events import Batch
 from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..session import Interrupted, live_addresses, read
+from ..text import console, plural
 
 _SEVERITY_STYLE = {ERROR: "red", WARNING: "yellow", INFO: "cyan"}
 
@@ -43,9 +44,10 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
     from rich.markup import escape
     from rich.table import Table
 
-    counts = (f"{report.count(ERROR)} errors, {report.count(WARNING)} warnings, "
-              f"{report.count(INFO)} infos in {report.batches} batches / {report.events} events"
-              f" from {len(report.workers)} workers")
+    counts = (f"{plural(report.count(ERROR), 'error')}, "
+              f"{plural(report.count(WARNING), 'warning')}, {plural(report.count(INFO), 'info')}"
+              f" in {plural(report.batches, 'batch')} / {plural(report.events, 'event')} from "
+              f"{plural(len(report.workers), 'worker')}")
     if report.results:
         # A compact table first (fits 80 columns), then the examples of each rule as plain
         # lines: examples carry long endpoints and hashes that a table cell would mangle.
@@ -61,11 +63,11 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
                           str(res.count), escape(res.rule.summary))
         console.print(table)
         console.print("First examples:")
-        for res in report.results:
-            for f in res.examples[:3]:
+        for res in report.results:  # the checker kept --max-examples of each rule
+            for f in res.examples:
                 console.print(f"  {escape(finding_line(f))}")
-            if res.count > 3:
-                console.print(f"  [dim]{res.rule.id}: … {res.count - 3} more[/]")
+            if res.count > len(res.examples):
+                console.print(f"  [dim]{res.rule.id}: … {res.count - len(res.examples)} more[/]")
     verdict = "[bold red]FAIL[/]" if fail else "[bold green]OK[/]"
     workers = f": {escape(', '.join(report.workers))}" if 0 < len(report.workers) <= 8 else ""
     console.print(f"{verdict}: {counts}{workers}; stopped by {summary.stopped_by}")
@@ -174,7 +176,7 @@ def command(**params: Any) -> None:
         click.echo(dumps({**report.to_json(), "failed": fail, "fail_on": params["fail_on"],
                           "exit_code": int(code), "stream": summary.to_json()}))
     else:
-        print_report(report, summary, fail, Console(highlight=False, soft_wrap=True))
+        print_report(report, summary, fail, console(soft_wrap=True))
     if interrupted:
         raise Interrupted(summary.line(), params["quiet"])
     if not quiet:
