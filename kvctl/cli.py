@@ -14,6 +14,7 @@ import click
 
 from . import __version__, commands
 from .errors import ExitCode, KvctlError
+from .help import envvar_of
 
 
 class LazyGroup(click.Group):
@@ -38,7 +39,8 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"],
-                                              "auto_envvar_prefix": "KVCTL"})
+                                              "auto_envvar_prefix": "KVCTL",
+                                              "max_content_width": 100})
 @click.version_option(__version__, prog_name="kvctl")
 def cli() -> None:
     """kvctl: tap, record, replay, simulate and check the KV-cache event streams of LLM
@@ -46,6 +48,17 @@ def cli() -> None:
 
     Exit codes: 0 ok, 1 runtime error, 2 usage, 3 `check` found errors, 130 interrupted.
     """
+
+
+def _environment_variable(exc: click.ClickException) -> str | None:
+    """The ``KVCTL_*`` variable a rejected value came from, when it came from the environment."""
+    if not isinstance(exc, click.BadParameter) or exc.ctx is None or exc.param is None \
+            or not exc.param.name:
+        return None
+    source = exc.ctx.get_parameter_source(exc.param.name)
+    if source is not click.core.ParameterSource.ENVIRONMENT:
+        return None
+    return envvar_of(exc.param, exc.ctx, set_only=True)
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -59,7 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as exc:
         code = exc.exit_code
     except click.ClickException as exc:
-        exc.show()
+        variable = _environment_variable(exc)
+        if variable:  # the user typed no option: name the variable they set, on one line
+            print(f"kvctl: {variable}: {exc.message.rstrip('.')}", file=sys.stderr)
+        else:
+            exc.show()
         code = ExitCode.USAGE if isinstance(exc, click.UsageError) else ExitCode.ERROR
     except click.exceptions.Abort:
         code = ExitCode.INTERRUPTED

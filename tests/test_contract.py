@@ -83,3 +83,27 @@ def test_readme_rule_table_is_the_checker_s():
     from kvctl.checks import rules_markdown
 
     assert rules_markdown().strip() in (REPO / "README.md").read_text()
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_help_groups_options_and_names_their_environment_variables(name):
+    """Shared options sit in the same section in every command, and every option's help names
+    the variable that sets it (the one click reads, derived from auto_envvar_prefix)."""
+    import click
+
+    from kvctl.help import OPTIONS, SECTIONS, section_of
+
+    command = cli.get_command(None, name)  # type: ignore[arg-type]
+    result = CliRunner().invoke(cli, [name, "--help"], terminal_width=200)
+    assert result.exit_code == 0
+    help_text = " ".join(result.output.split())  # wrapped lines joined
+    options = [p for p in command.params if isinstance(p, click.Option)]
+    sections = {section_of(p) for p in options} | {OPTIONS}
+    for title in sections:
+        assert f"\n{title}:\n" in result.output, f"`kvctl {name} -h` lacks the {title} section"
+    assert "Output" in sections  # --json everywhere
+    for option in options:
+        variable = option.envvar or f"KVCTL_{name.upper()}_{option.name.upper()}"
+        assert f"env var: {variable}" in help_text, f"`kvctl {name} -h`: {option.opts}"
+    if any("--subject" in p.opts for p in options):  # the commands reading live sources
+        assert set(SECTIONS) - {"Target"} <= sections

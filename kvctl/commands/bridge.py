@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from ..help import KvctlCommand
 from ..options import (
     connection_kwargs,
     filter_options,
@@ -17,7 +18,7 @@ from ..options import (
 from .replay import linger, make_report, open_target_from, print_report, with_target_options
 
 
-@click.command("bridge")
+@click.command("bridge", cls=KvctlCommand)
 @source_arguments
 @with_target_options
 @filter_options

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import click
 
+from ..help import KvctlCommand
 from ..options import filter_options, limit_options, output_options
 from ..session import stream
 
 
-@click.command("cat")
+@click.command("cat", cls=KvctlCommand)
 @click.argument("sources", nargs=-1, required=True, metavar="RECORDING...",
                 type=click.Path(exists=True))
 @filter_options

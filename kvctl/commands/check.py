@@ -12,6 +12,7 @@ import click
 from ..checks import ERROR, INFO, RULES, WARNING, Checker, Finding, Report
 from ..errors import ExitCode
 from ..events import Batch
+from ..help import KvctlCommand
 from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..session import Interrupted, live_addresses, read
@@ -73,7 +74,7 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
     console.print(f"{verdict}: {counts}{workers}; stopped by {summary.stopped_by}")
 
 
-@click.command("check")
+@click.command("check", cls=KvctlCommand)
 @source_arguments
 @filter_options
 @limit_options

@@ -6,8 +6,10 @@ from typing import Any
 
 import click
 
+from ..help import KvctlCommand
 
-@click.command("inspect")
+
+@click.command("inspect", cls=KvctlCommand)
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def command(path: str, as_json: bool) -> None:

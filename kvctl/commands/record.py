@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from ..help import KvctlCommand
 from ..options import connection_kwargs, filter_options, limit_options, source_arguments
 
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -26,7 +27,7 @@ def _parse(value: str | None, units: dict[str, float], what: str) -> float | Non
     return float(match.group(1)) * units[match.group(2).lower()]
 
 
-@click.command("record")
+@click.command("record", cls=KvctlCommand)
 @source_arguments
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=True),
               help="Recording to write: a .parquet file, or a directory of segments when "

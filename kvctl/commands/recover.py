@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import click
 
+from ..help import KvctlCommand
 
-@click.command("recover")
+
+@click.command("recover", cls=KvctlCommand)
 @click.argument("path", type=click.Path(exists=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the recovered recording's summary "
                                                       "as one JSON object.")

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from ..help import KvctlCommand
 from ..options import filter_options, report_options
 from ..targets import NATS_FORMATS, ZMQ_FORMATS
 
@@ -67,7 +68,7 @@ def parse_window(value: str | None) -> tuple[str, float] | None:
         raise click.BadParameter(f"{value!r}: expected SECONDS or seq:N") from None
 
 
-@click.command("replay")
+@click.command("replay", cls=KvctlCommand)
 @click.argument("recordings", nargs=-1, required=True, metavar="RECORDING...",
                 type=click.Path(exists=True))
 @with_target_options

@@ -8,10 +8,11 @@ from typing import Any
 
 import click
 
+from ..help import KvctlCommand
 from ..options import report_options
 
 
-@click.command("simulate")
+@click.command("simulate", cls=KvctlCommand)
 @click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True,
               help="Simulated engines (one PUB socket each).")
 @click.option("--num-blocks", type=click.IntRange(min=1), default=4096, show_default=True,

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED
+from ..help import KvctlCommand
 from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..session import Interrupted, read
@@ -135,7 +136,7 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
     console.print(seq)
 
 
-@click.command("stats")
+@click.command("stats", cls=KvctlCommand)
 @source_arguments
 @filter_options
 @limit_options

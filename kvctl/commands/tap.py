@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..help import KvctlCommand
 from ..options import (
     connection_kwargs,
     filter_options,
@@ -14,7 +15,7 @@ from ..options import (
 from ..session import stream
 
 
-@click.command("tap")
+@click.command("tap", cls=KvctlCommand)
 @source_arguments
 @filter_options
 @limit_options

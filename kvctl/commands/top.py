@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from ..events import BLOCK_REMOVED, BLOCK_STORED, Batch
+from ..help import KvctlCommand
 from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..session import Interrupted
@@ -222,7 +223,7 @@ class Keys:
             termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
 
 
-@click.command("top")
+@click.command("top", cls=KvctlCommand)
 @source_arguments
 @filter_options
 @limit_options
