@@ -112,11 +112,15 @@ class Summary:
         }
 
     def line(self) -> str:
+        from .text import plural
+
         by_type = ", ".join(f"{k} {v}" for k, v in sorted(self.events.items())) or "none"
-        text = (f"{self.total_events} events ({by_type}) in {self.batches} batches from "
-                f"{len(self.publishers)} publishers; gaps {self.gaps} ({self.missing} batches "
-                f"missing, {self.recovered} recovered), duplicates {self.duplicates}, "
-                f"reorders {self.reorders}, malformed {self.malformed}")
+        text = (f"{plural(self.total_events, 'event')} ({by_type}) in "
+                f"{plural(self.batches, 'batch')} from "
+                f"{plural(len(self.publishers), 'publisher')}; gaps {self.gaps} "
+                f"({plural(self.missing, 'batch')} missing, {self.recovered} recovered), "
+                f"duplicates {self.duplicates}, reorders {self.reorders}, "
+                f"malformed {self.malformed}")
         return text + f"; stopped by {self.stopped_by}"
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-_IRREGULAR = {"batch": "batches", "match": "matches", "info": "infos", "reply": "replies",
-              "is": "are", "was": "were"}
+_IRREGULAR = {"reply": "replies", "is": "are", "was": "were"}
 
 PIPED_WIDTH = 100_000
 """Console width when not writing to a terminal: wide enough that no table cell is folded or
@@ -25,7 +24,9 @@ def noun_for(n: int, noun: str, many: str | None = None) -> str:
     """The noun alone, singular for exactly one."""
     if n == 1:
         return noun
-    return many or _IRREGULAR.get(noun) or noun + "s"
+    if many or noun in _IRREGULAR:
+        return many or _IRREGULAR[noun]
+    return noun + ("es" if noun.endswith(("s", "sh", "ch", "x", "z")) else "s")
 
 
 def console(stderr: bool = False, **options: Any) -> Any:

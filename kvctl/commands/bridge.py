@@ -15,6 +15,7 @@ from ..options import (
     report_options,
     source_arguments,
 )
+from ..text import plural
 from .replay import linger, make_report, open_target_from, print_report, with_target_options
 
 
@@ -48,8 +49,8 @@ def command(**params: Any) -> None:
     interrupted = False
     try:
         if params["wait_subscribers"]:  # downstream first: nothing read is sent into the void
-            diagnostics.say(f"kvctl: waiting for {params['wait_subscribers']} subscriber(s)",
-                            "dim")
+            waiting = plural(params["wait_subscribers"], "subscriber")
+            diagnostics.say(f"kvctl: waiting for {waiting}", "dim")
             while not target.wait_subscribers(params["wait_subscribers"], 0.2):
                 pass
         source = open_source(params["sources"], **connection_kwargs(params))

@@ -44,25 +44,30 @@ def _when(ns: Any) -> str:
 
 
 def _print(info: dict[str, Any]) -> None:
-    from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    console = Console(highlight=False)
+    from ..text import console as make_console
+    from ..text import plural
+
+    console = make_console()  # piped: no table is cut to 80 columns
     meta = info.get("metadata") or {}
     ts = [info.get("first_ts"), info.get("last_ts")]
     lines = [
-        f"[bold]{info.get('path', '')}[/] schema v{info.get('schema_version')}, written by "
-        f"kvctl {info.get('kvctl_version') or '?'}, {len(info.get('files', []))} file(s)",
+        f"[bold]{escape(str(info.get('path', '')))}[/] schema v{info.get('schema_version')}, "
+        f"written by kvctl {info.get('kvctl_version') or '?'}, "
+        f"{plural(len(info.get('files', [])), 'file')}",
         f"received {_when(info.get('first_recv_ns'))} .. {_when(info.get('last_recv_ns'))} UTC;"
         f" engine time {_when(ts[0] and ts[0] * 1e9)} .. {_when(ts[1] and ts[1] * 1e9)} UTC",
-        f"{info.get('batches', 0)} batches, {info.get('events', 0)} events, "
-        f"{info.get('malformed', 0)} malformed, {info.get('gaps', 0)} gaps "
-        f"({info.get('missing', 0)} batches missing)",
-        f"{info.get('bytes', 0):,} bytes on disk for {info.get('raw_bytes', 0):,} raw bytes "
+        f"{plural(info.get('batches', 0), 'batch')}, {plural(info.get('events', 0), 'event')}, "
+        f"{info.get('malformed', 0)} malformed, {plural(info.get('gaps', 0), 'gap')} "
+        f"({plural(info.get('missing', 0), 'batch')} missing)",
+        f"{plural(info.get('bytes', 0), 'byte', thousands=True)} on disk for "
+        f"{plural(info.get('raw_bytes', 0), 'raw byte', thousands=True)} "
         f"(ratio {info.get('ratio') or 0:.3f})",
     ]
     if meta.get("sources"):
-        lines.append("sources: " + ", ".join(map(str, meta["sources"])))
+        lines.append("sources: " + escape(", ".join(map(str, meta["sources"]))))
     console.print("\n".join(lines))
     for title, key in (("events by type", "by_type"), ("events by worker", "by_worker")):
         counts = info.get(key) or {}
@@ -71,7 +76,7 @@ def _print(info: dict[str, Any]) -> None:
             table.add_column(key.removeprefix("by_"))
             table.add_column("events", justify="right")
             for name, n in sorted(counts.items(), key=lambda kv: -kv[1]):
-                table.add_row(str(name), str(n))
+                table.add_row(escape(str(name)), str(n))
             console.print(table)
     publishers = info.get("publishers") or {}
     if publishers:
@@ -79,6 +84,6 @@ def _print(info: dict[str, Any]) -> None:
         for col in ("publisher", "first seq", "last seq", "batches"):
             table.add_column(col, justify="left" if col == "publisher" else "right")
         for name, p in publishers.items():
-            table.add_row(str(name), str(p.get("min_seq")), str(p.get("max_seq")),
+            table.add_row(escape(str(name)), str(p.get("min_seq")), str(p.get("max_seq")),
                           str(p.get("batches")))
         console.print(table)

@@ -13,6 +13,7 @@ import click
 
 from ..help import KvctlCommand
 from ..options import connection_kwargs, filter_options, limit_options, source_arguments
+from ..text import plural
 
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -214,8 +215,9 @@ class _Status:
     def __rich__(self) -> str:
         s = self.writer.stats()
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        return (f"[bold]recording[/] {s['file']} · {s['events']:,} events "
-                f"({s['events'] / elapsed:,.0f}/s) · {s['batches']:,} batches · gaps "
+        return (f"[bold]recording[/] {s['file']} · {plural(s['events'], 'event', thousands=True)}"
+                f" ({s['events'] / elapsed:,.0f}/s) · "
+                f"{plural(s['batches'], 'batch', thousands=True)} · gaps "
                 f"{self.summary.gaps} · malformed {s['malformed']} · {s['bytes'] / 1e6:,.1f} MB")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from ..help import KvctlCommand
+from ..text import plural
 
 
 @click.command("recover", cls=KvctlCommand)
@@ -37,6 +38,7 @@ def command(path: str, as_json: bool) -> None:
     if as_json:
         click.echo(dumps({"path": str(recovered), **info}))
     else:
-        click.echo(f"kvctl: recovered {recovered}: {info.get('batches', 0)} batches, "
-                   f"{info.get('events', 0)} events, {info.get('malformed', 0)} malformed",
+        click.echo(f"kvctl: recovered {recovered}: {plural(info.get('batches', 0), 'batch')}, "
+                   f"{plural(info.get('events', 0), 'event')}, {info.get('malformed', 0)} "
+                   "malformed",
                    err=True)

@@ -10,6 +10,7 @@ import click
 from ..help import KvctlCommand
 from ..options import filter_options, report_options
 from ..targets import NATS_FORMATS, ZMQ_FORMATS
+from ..text import plural
 
 target_options = [
     click.option("--to", required=True, metavar="URL",
@@ -132,8 +133,8 @@ def command(**params: Any) -> None:
         if params["port_per_worker"] and hasattr(target, "open_for"):
             target.open_for(b for b in source.batches() if b.error is None)
         if params["wait_subscribers"]:
-            diagnostics.say(f"kvctl: waiting for {params['wait_subscribers']} subscriber(s)",
-                            "dim")
+            waiting = plural(params["wait_subscribers"], "subscriber")
+            diagnostics.say(f"kvctl: waiting for {waiting}", "dim")
             while not target.wait_subscribers(params["wait_subscribers"], 0.2):
                 pass
         loop = 0
@@ -233,17 +234,19 @@ def print_report(report: dict[str, Any], params: dict[str, Any], diagnostics: An
         click.echo(dumps(report))
         return
     late = report["lateness"]
-    lines = [f"Actual: {report['batches']} batches ({report['events']} events, "
-             f"{report['bytes']:,} bytes) sent in {report['elapsed_s']:.3f} s",
+    lines = [f"Actual: {plural(report['batches'], 'batch')} ({plural(report['events'], 'event')}, "
+             f"{plural(report['bytes'], 'byte', thousands=True)}) sent in "
+             f"{report['elapsed_s']:.3f} s",
              f"Rated: {report['batches_per_s']:,.1f} batches/s, {report['events_per_s']:,.1f} "
              f"events/s, {report['mbps']:.3f} Mbps"]
     if late:
         lines.append(f"Timing: lateness median {late['median_ms']:.3f} ms, p99 "
                      f"{late['p99_ms']:.3f} ms, max {late['max_ms']:.3f} ms, "
-                     f"{late['late_over_1ms']} sends later than 1 ms")
+                     f"{plural(late['late_over_1ms'], 'send')} later than 1 ms")
     lines.append(f"CPU: {report['cpu_s']:.2f} s ({report['cpu_percent']:.0f}% of one core)")
     if report.get("skipped"):
-        lines.append(f"Skipped: {report['skipped']} malformed messages (sent only with raw)")
+        lines.append(f"Skipped: {plural(report['skipped'], 'malformed message')} (sent only "
+                     "with raw)")
     for line in lines:
         diagnostics.say(line)
 

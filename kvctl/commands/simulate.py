@@ -10,6 +10,7 @@ import click
 
 from ..help import KvctlCommand
 from ..options import report_options
+from ..text import plural
 
 
 @click.command("simulate", cls=KvctlCommand)
@@ -118,18 +119,18 @@ def command(**params: Any) -> None:
     display = None
     try:
         if params["output"]:
-            diagnostics.say(f"kvctl: {params['workers']} workers recording to "
+            diagnostics.say(f"kvctl: {plural(params['workers'], 'worker')} recording to "
                             f"{params['output']}", "dim")
         elif hasattr(target, "open_slots"):
             endpoints = target.open_slots(params["workers"])
-            diagnostics.say(f"kvctl: {params['workers']} workers publishing on "
+            diagnostics.say(f"kvctl: {plural(params['workers'], 'worker')} publishing on "
                             f"{endpoints[0]} .. {endpoints[-1]}", "dim")
         else:
-            diagnostics.say(f"kvctl: {params['workers']} workers publishing to {to} "
+            diagnostics.say(f"kvctl: {plural(params['workers'], 'worker')} publishing to {to} "
                             f"({target.subject})", "dim")
         if params["wait_subscribers"]:
-            diagnostics.say(f"kvctl: waiting for {params['wait_subscribers']} subscriber(s) "
-                            "on every worker", "dim")
+            waiting = plural(params["wait_subscribers"], "subscriber")
+            diagnostics.say(f"kvctl: waiting for {waiting} on every worker", "dim")
             while not target.wait_subscribers(params["wait_subscribers"], 0.2):
                 pass
         if params["start_delay"]:
@@ -165,8 +166,9 @@ def command(**params: Any) -> None:
 
 def _summary_line(fleet: Any, counts: dict[str, int]) -> str:
     total = fleet.stats()["total"]
-    return (f"{counts['batches']} batches, {counts['events']} events "
-            f"({total['stored_blocks']} blocks stored, {total['removed_blocks']} evicted) in "
+    return (f"{plural(counts['batches'], 'batch')}, {plural(counts['events'], 'event')} "
+            f"({plural(total['stored_blocks'], 'block')} stored, {total['removed_blocks']} "
+            "evicted) in "
             f"{fleet.now:.1f} simulated s; prefix-cache hit rate {total['hit_rate']:.1%}")
 
 
@@ -198,7 +200,9 @@ def _worker_table(fleet: Any, title: str, rates: list[tuple[float, float]] | Non
 def _print_summary(fleet: Any, counts: dict[str, int], diagnostics: Any) -> None:
     if diagnostics.quiet:
         return
-    diagnostics.console.print(_worker_table(fleet, "kvctl simulate: final state"))
+    from ..text import console
+
+    console(stderr=True).print(_worker_table(fleet, "kvctl simulate: final state"))
     diagnostics.say("kvctl: " + _summary_line(fleet, counts), "dim")
 
 
@@ -227,7 +231,8 @@ class _LiveTable:
                  for c, p in zip(current, self.prev, strict=True)]
         self.prev, self.last = current, now
         title = (f"kvctl simulate · {self.fleet.now:.1f} s simulated · "
-                 f"{self.counts['batches']} batches · {self.counts['events']} events")
+                 f"{plural(self.counts['batches'], 'batch')} · "
+                 f"{plural(self.counts['events'], 'event')}")
         self.live.update(_worker_table(self.fleet, title, rates), refresh=True)
 
     def stop(self) -> None:

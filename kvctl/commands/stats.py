@@ -11,6 +11,7 @@ from ..help import KvctlCommand
 from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..session import Interrupted, read
+from ..text import plural
 
 
 def _num(value: Any, digits: int = 1) -> str:
@@ -68,7 +69,7 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
     overall.add_column(style="bold")
     overall.add_column()
     rows = [
-        ("span", f"{_secs(span)} ({len(result['rates']['buckets'])} buckets of "
+        ("span", f"{_secs(span)} ({plural(len(result['rates']['buckets']), 'bucket')} of "
                  f"{result['rates']['bucket_s']:g} s)"),
         ("batches / events", f"{o['batches']:,} / {o['events']:,} (malformed {o['malformed']})"),
         ("events by type", ", ".join(f"{k} {v:,}" for k, v in by_type.items()) or "none"),
@@ -78,11 +79,12 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
                                  f"{_num(result['rates']['peak_events_per_s'])}"),
         ("block lifetime p50 / p90 / p99", " / ".join(_secs(lt.get(q))
                                                       for q in ("p50", "p90", "p99"))
-         + f" ({lt['count']:,} removals)"),
-        ("reuse across workers", f"{reuse['hashes_on_multiple_workers']:,} hashes on several "
-                                 f"workers, {reuse['extra_stores']:,} stores of a block another "
-                                 f"worker held"),
-        ("gaps", f"{gaps} ({missing} batches missing), ts backwards "
+         + f" ({plural(lt['count'], 'removal', thousands=True)})"),
+        ("reuse across workers",
+         f"{plural(reuse['hashes_on_multiple_workers'], 'hash', thousands=True)} on several "
+         f"workers, {plural(reuse['extra_stores'], 'store', thousands=True)} of a block "
+         "another worker held"),
+        ("gaps", f"{gaps} ({plural(missing, 'batch')} missing), ts backwards "
                  f"{result['gaps']['ts_backwards']}"),
         ("stopped by", summary.stopped_by),
     ]

@@ -15,6 +15,7 @@ from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..session import Interrupted
 from ..state import SeqTracker, StreamState, WorkerKey, recv_time, worker_label
+from ..text import plural
 from .check import read
 
 # Sort keys -> row field; every numeric column sorts largest first (what `top` users expect).
@@ -156,8 +157,9 @@ def render(model: TopModel, rows: list[dict[str, Any]], sort: str, reverse: bool
 
     arrow = "↑" if (sort == "worker") != reverse else "↓"
     hint = " · keys: q quit, s sort, r reverse" if keys_hint else ""
-    title = (f"kvctl top · {time.strftime('%H:%M:%S')} · {len(rows)} workers · "
-             f"{model.state.total_blocks:,} blocks cached · {model.events:,} events · "
+    title = (f"kvctl top · {time.strftime('%H:%M:%S')} · {plural(len(rows), 'worker')} · "
+             f"{plural(model.state.total_blocks, 'block', thousands=True)} cached · "
+             f"{plural(model.events, 'event', thousands=True)} · "
              f"sort: {sort} {arrow}{hint}")
     # Title and footer sit outside the table: a table title wraps at the table's width.
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
@@ -275,7 +277,8 @@ def command(**params: Any) -> None:
             return dumps({"time": round(time.time(), 3), "sort": view["sort"],
                           "workers": rows, "blocks_cached": model.state.total_blocks,
                           "batches": model.batches, "events": model.events})
-        line = f"{model.batches:,} batches, {time.monotonic() - started:.0f} s"
+        line = (f"{plural(model.batches, 'batch', thousands=True)}, "
+                f"{time.monotonic() - started:.0f} s")
         return render(model, rows, view["sort"], view["reverse"], line, interactive)
 
     def show(live: Any) -> None:
@@ -314,7 +317,8 @@ def command(**params: Any) -> None:
                 # re-sort now, without moving the rate window
                 rows = model.snapshot(time.time(), view["sort"], view["reverse"])
                 live.update(render(model, rows, view["sort"], view["reverse"],
-                                   f"{model.batches:,} batches", True), refresh=True)
+                                   plural(model.batches, "batch", thousands=True), True),
+                            refresh=True)
             return True
 
         return tick
