@@ -127,7 +127,7 @@ def command(**params: Any) -> None:
     cpu_start = time.process_time()
     remaining = params["count"]
     interrupted = False
-    progress = _Progress(diagnostics, params)
+    progress = _Progress(diagnostics, params, sender)
     offset = 0.0
     try:
         if params["port_per_worker"] and hasattr(target, "open_for"):
@@ -143,6 +143,7 @@ def command(**params: Any) -> None:
             previous_ns = None
             first: dict[str, float] = {}
             for batch in source.batches():
+                progress.advance()
                 when = (batch.recv_ns or int((batch.ts or 0) * 1e9)) / 1e9
                 if not first:
                     first["time"] = when
@@ -173,7 +174,6 @@ def command(**params: Any) -> None:
                         events = events[:remaining]
                     remaining -= len(events)
                 sender.write(batch, events)
-                progress.advance(sender)
                 if remaining == 0:
                     break
             loop += 1
@@ -252,25 +252,75 @@ def print_report(report: dict[str, Any], params: dict[str, Any], diagnostics: An
 
 
 class _Progress:
-    """A rich progress bar on stderr while sending (terminals only)."""
+    """A progress bar on stderr while sending (terminals only): batches read of the
+    recording's total (all loops), percent, ETA and the send rate. The total comes from the
+    recording's footer (or manifest); without one (a journal) the bar shows the count alone."""
 
-    def __init__(self, diagnostics: Any, params: dict[str, Any]) -> None:
-        self.bar = None
+    def __init__(self, diagnostics: Any, params: dict[str, Any], sender: Any) -> None:
+        self.bar: Any = None
         if diagnostics.quiet or not diagnostics.console.is_terminal:
             return
-        from rich.progress import Progress
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TaskProgressColumn,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
-        self.bar = Progress(*Progress.get_default_columns(), "{task.fields[rate]}",
-                            console=diagnostics.console, transient=True)
-        self.task = self.bar.add_task("replaying", total=None, rate="")
+        per_loop = recorded_batches(params["recordings"])
+        total = per_loop * params["loop"] if per_loop is not None and params["loop"] else None
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TaskProgressColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                            TextColumn("{task.fields[rate]}"), console=diagnostics.console,
+                            transient=True)
+        self.task = self.bar.add_task("replaying", total=total, rate="")
         self.bar.start()
-        self.started = time.monotonic()
+        self.sender = sender
+        self.read = 0
+        self.started = self.shown = time.monotonic()
 
-    def advance(self, sender: Any) -> None:
-        if self.bar is not None and sender.batches % 64 == 0:
-            rate = sender.batches / max(time.monotonic() - self.started, 1e-9)
-            self.bar.update(self.task, completed=sender.batches, rate=f"{rate:,.0f} batches/s")
+    def advance(self) -> None:
+        """One batch read from the recording (sent, filtered out or outside the window)."""
+        if self.bar is None:
+            return
+        self.read += 1
+        now = time.monotonic()
+        if now - self.shown >= 0.1:  # rich redraws 10 times a second: no need to tell it more
+            self.shown = now
+            rate = self.sender.batches / max(now - self.started, 1e-9)
+            self.bar.update(self.task, completed=self.read,
+                            rate=f"{rate:,.0f} batches/s sent")
 
     def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def recorded_batches(paths: list[str]) -> int | None:
+    """Batches (messages) in these recordings, from the counts every writer stores in a
+    Parquet file's footer or a segment directory's manifest: no row is read. None when a
+    recording has no such counts (a journal, a directory still being written)."""
+    import json
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    total = 0
+    for path in map(Path, paths):
+        try:
+            if path.is_dir():
+                manifest = json.loads((path / "_manifest.json").read_text())
+                if not manifest.get("complete"):
+                    return None
+                counts = manifest.get("counts") or {}
+            else:
+                footer = pq.ParquetFile(path).metadata.metadata or {}
+                counts = json.loads(footer.get(b"kvctl", b"{}")).get("counts") or {}
+        except (OSError, ValueError):  # a journal, a missing manifest: no total, no harm
+            return None
+        if not isinstance(counts.get("batches"), int):
+            return None
+        total += counts["batches"]
+    return total
