@@ -3,6 +3,8 @@ piped tables, through ``kvctl`` as typed (in-process, not a terminal)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from inprocess import run_main
 
@@ -72,3 +74,33 @@ def test_one_of_a_kind_is_singular(tmp_path):
     assert result.code == 0, result.err
     assert "kvctl: 1 event (BlockStored 1) in 1 batch from 1 publisher; gaps 0 (0 batches " \
            "missing" in result.err, result.err
+
+
+def test_bash_completion_completes_lazy_subcommands_and_options(tmp_path):
+    """The README's `eval "$(_KVCTL_COMPLETE=bash_source kvctl)"`, in a real bash: subcommands
+    (imported lazily) and each command's options and choices complete."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("bash is not installed")
+    (tmp_path / "kvctl").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kvctl "$@"\n')
+    (tmp_path / "kvctl").chmod(0o755)
+
+    def complete(*words: str) -> list[str]:
+        script = ('eval "$(_KVCTL_COMPLETE=bash_source kvctl)"; COMP_WORDS=(' +
+                  " ".join(f"'{w}'" for w in words) + f"); COMP_CWORD={len(words) - 1}; "
+                  '_kvctl_completion kvctl; printf "%s\\n" "${COMPREPLY[@]}"')
+        result = subprocess.run([bash, "-c", script], capture_output=True, timeout=30, cwd=REPO,
+                                env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+        assert result.returncode == 0, result.stderr
+        return result.stdout.decode().split()
+
+    assert complete("kvctl", "t") == ["tap", "top"]
+    assert "--idle-timeout" in complete("kvctl", "tap", "--id")
+    assert complete("kvctl", "tap", "--type", "") == ["blockstored", "blockremoved",
+                                                      "allblockscleared"]
