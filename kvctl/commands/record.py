@@ -113,7 +113,7 @@ def command(**params: Any) -> None:
     if params["as_json"]:
         click.echo(dumps(report))
     line = (f"kvctl: recorded {summary.line()} -> {params['output']} "
-            f"({result.get('bytes', 0):,} bytes)")
+            f"({plural(result.get('bytes', 0), 'byte', thousands=True)})")
     if interrupted:
         raise Interrupted(line.removeprefix("kvctl: "), params["quiet"])
     diagnostics.say(line, "dim")
