@@ -38,7 +38,8 @@ def dumps(obj: Any) -> str:
     return _dumps(obj).decode()
 
 
-HASH_FIELDS = ("block_hashes", "parent_block_hash")
+HASH_FIELDS = ("block_hashes", "parent_block_hash", "tokens_hashes")
+_TEXT_STYLES = ("hex", "string")  # styles that turn every int hash into text
 _TEMPLATE = dict.fromkeys(("type", *CORE_EVENT_FIELDS))
 
 
@@ -76,9 +77,12 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
         if hashes is not None:
             row["block_hashes"] = present_hashes(hashes, hash_style)
         parent = row["parent_block_hash"]
-        if parent is not None and (hash_style == "hex" or not (
+        if parent is not None and (hash_style in _TEXT_STYLES or not (
                 type(parent) is int and 0 <= parent < 1 << 63)):
             row["parent_block_hash"] = present_hash(parent, hash_style)
+        tokens_hashes = row.get("tokens_hashes")  # Dynamo's u64 per block: a hash too
+        if tokens_hashes is not None:
+            row["tokens_hashes"] = present_hashes(tokens_hashes, hash_style)
         rows.append(row)
     return rows
 
@@ -131,58 +135,70 @@ class PrettySink:
             def on_broken_pipe(self) -> None:
                 raise BrokenPipeError  # cli exits 0, as for JSON lines (rich would exit 1)
 
-        self.console = console or _Console(highlight=False, soft_wrap=True)
+        # emoji off: a producer's ":thumbs_up:" is shown as sent, not as a picture
+        self.console = console or _Console(highlight=False, soft_wrap=True, emoji=False)
         self.hash_style = hash_style
         self.max_hashes = max_hashes
 
     def write(self, batch: Batch, events: list[Event]) -> None:
-        from rich.markup import escape
-
-        worker = "" if batch.worker_id is None else f" worker={batch.worker_id}"
-        dp = "" if batch.dp_rank is None else f" dp={batch.dp_rank}"
-        seq = "" if batch.seq is None else f" seq={batch.seq}"
+        # Every value is escaped: a hex hash list "[d0326374b3…]" or a producer's string
+        # "[bold]" would otherwise be read as rich markup and vanish from the output.
+        worker = "" if batch.worker_id is None else f" worker={_text(batch.worker_id)}"
+        dp = "" if batch.dp_rank is None else f" dp={_text(batch.dp_rank)}"
+        seq = "" if batch.seq is None else f" seq={_text(batch.seq)}"
         recovered = " [yellow](recovered)[/]" if batch.recovered else ""
-        topic = f" topic={escape(batch.topic)}" if batch.topic else ""
-        lines = [f"[bold]{_clock(batch.ts)}[/] [cyan]{escape(batch.source)}[/]{seq}{worker}{dp}"
-                 f"{topic} [dim]{batch.format} · {len(events)} events[/]{recovered}"]
+        topic = f" topic={_text(batch.topic)}" if batch.topic else ""
+        lines = [f"[bold]{_clock(batch.ts)}[/] [cyan]{_text(batch.source)}[/]{seq}{worker}{dp}"
+                 f"{topic} [dim]{_text(batch.format)} · {len(events)} events[/]{recovered}"]
         for event in events:
             lines.append("  " + self.event_line(event))
         self.console.print("\n".join(lines))
 
     def event_line(self, event: Event) -> str:
-        from rich.markup import escape
-
+        """One event as rich markup; every value in it is escaped."""
         etype = str(event.get("type"))
         style = _STYLE.get(etype, "yellow")
-        parts = [f"[{style}]{_MARK.get(etype, '?')} {escape(etype):<16}[/]"]
-        hashes = event.get("block_hashes") or []
+        parts = [f"[{style}]{_MARK.get(etype, '?')} {_text(etype):<16}[/]"]
+        hashes = event.get("block_hashes")
+        if type(hashes) is not list:  # only recordings of older kvctl versions hold these
+            if hashes is not None:
+                parts.append(f"blocks={_text(_brief(hashes))}")
+            hashes = []
         if hashes or etype != "AllBlocksCleared":
             shown = " ".join(short_hash(h, self.hash_style) for h in hashes[: self.max_hashes])
             more = f" +{len(hashes) - self.max_hashes}" if len(hashes) > self.max_hashes else ""
             noun = "block" if len(hashes) == 1 else "blocks"
-            parts.append(f"{len(hashes)} {noun} [{shown}{more}]")
+            parts.append(_text(f"{len(hashes)} {noun} [{shown}{more}]"))
         if "parent_block_hash" in event:
             parent = event["parent_block_hash"]
-            parts.append("parent=" + ("-" if parent is None else short_hash(parent,
-                                                                             self.hash_style)))
+            parts.append("parent=" + ("-" if parent is None
+                                      else _text(short_hash(parent, self.hash_style))))
         tokens = event.get("token_ids")
         if tokens is not None:
             size = event.get("block_size")
-            parts.append(f"tokens={len(tokens)}" + (f" ({size}/block)" if size else ""))
+            count = len(tokens) if type(tokens) is list else _brief(tokens)
+            parts.append(_text(f"tokens={count}" + (f" ({size}/block)" if size else "")))
         for key in ("lora_name", "lora_id", "medium"):
             if event.get(key) is not None:
                 parts.append(f"{key.split('_')[0] if key != 'lora_id' else 'lora_id'}="
-                             f"{escape(str(event[key]))}")
+                             f"{_text(event[key])}")
         if "worker_id" in event:
-            parts.append(f"worker={event['worker_id']}")
+            parts.append(f"worker={_text(event['worker_id'])}")
         extras = [k for k in event if k not in _SHOWN_ELSEWHERE and event[k] is not None]
         if extras:
-            parts.append("[dim]" + escape(" ".join(f"{k}={_brief(event[k])}"
-                                                    for k in extras)) + "[/]")
+            parts.append("[dim]" + _text(" ".join(f"{k}={_brief(event[k])}"
+                                                   for k in extras)) + "[/]")
         return " ".join(parts)
 
     def close(self) -> None:
         pass
+
+
+def _text(value: Any) -> str:
+    """Any value as literal text inside rich markup."""
+    from rich.markup import escape  # rich loads only when pretty output is used
+
+    return escape(value if type(value) is str else str(value))
 
 
 def _brief(value: Any) -> str:
@@ -198,7 +214,8 @@ class StderrDiagnostics:
     def __init__(self, console: Any = None, quiet: bool = False) -> None:
         from rich.console import Console
 
-        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True,
+                                          emoji=False)
         self.quiet = quiet
 
     def say(self, text: str, style: str = "") -> None:
