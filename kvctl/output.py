@@ -141,64 +141,72 @@ class PrettySink:
         self.max_hashes = max_hashes
 
     def write(self, batch: Batch, events: list[Event]) -> None:
-        # Every value is escaped: a hex hash list "[d0326374b3…]" or a producer's string
-        # "[bold]" would otherwise be read as rich markup and vanish from the output.
-        worker = "" if batch.worker_id is None else f" worker={_text(batch.worker_id)}"
-        dp = "" if batch.dp_rank is None else f" dp={_text(batch.dp_rank)}"
-        seq = "" if batch.seq is None else f" seq={_text(batch.seq)}"
-        recovered = " [yellow](recovered)[/]" if batch.recovered else ""
-        topic = f" topic={_text(batch.topic)}" if batch.topic else ""
-        lines = [f"[bold]{_clock(batch.ts)}[/] [cyan]{_text(batch.source)}[/]{seq}{worker}{dp}"
-                 f"{topic} [dim]{_text(batch.format)} · {len(events)} events[/]{recovered}"]
-        for event in events:
-            lines.append("  " + self.event_line(event))
-        self.console.print("\n".join(lines))
+        # Lines are built as rich Text, never as markup: a hex hash list "[d0326374b3…]" or a
+        # producer's "[bold]" would otherwise be read as a tag and vanish (and rich's own
+        # escape() does not round-trip a backslash before "[").
+        from rich.text import Text
 
-    def event_line(self, event: Event) -> str:
-        """One event as rich markup; every value in it is escaped."""
+        header = Text()
+        header.append(_clock(batch.ts), "bold")
+        header.append(" ")
+        header.append(str(batch.source), "cyan")
+        header.append("" if batch.seq is None else f" seq={batch.seq}")
+        header.append("" if batch.worker_id is None else f" worker={batch.worker_id}")
+        header.append("" if batch.dp_rank is None else f" dp={batch.dp_rank}")
+        header.append(f" topic={batch.topic}" if batch.topic else "")
+        header.append(" ")
+        header.append(f"{batch.format} · {len(events)} events", "dim")
+        if batch.recovered:
+            header.append(" (recovered)", "yellow")
+        lines = [header]
+        for event in events:
+            line = Text("  ")
+            line.append_text(self.event_line(event))
+            lines.append(line)
+        self.console.print(Text("\n").join(lines))
+
+    def event_line(self, event: Event) -> Any:
+        """One event as a rich Text (values shown literally, never parsed as markup)."""
+        from rich.text import Text
+
         etype = str(event.get("type"))
-        style = _STYLE.get(etype, "yellow")
-        parts = [f"[{style}]{_MARK.get(etype, '?')} {_text(etype):<16}[/]"]
+        line = Text()
+        line.append(f"{_MARK.get(etype, '?')} {etype:<16}", _STYLE.get(etype, "yellow"))
+        parts = []
         hashes = event.get("block_hashes")
         if type(hashes) is not list:  # only recordings of older kvctl versions hold these
             if hashes is not None:
-                parts.append(f"blocks={_text(_brief(hashes))}")
+                parts.append(f"blocks={_brief(hashes)}")
             hashes = []
         if hashes or etype != "AllBlocksCleared":
             shown = " ".join(short_hash(h, self.hash_style) for h in hashes[: self.max_hashes])
             more = f" +{len(hashes) - self.max_hashes}" if len(hashes) > self.max_hashes else ""
             noun = "block" if len(hashes) == 1 else "blocks"
-            parts.append(_text(f"{len(hashes)} {noun} [{shown}{more}]"))
+            parts.append(f"{len(hashes)} {noun} [{shown}{more}]")
         if "parent_block_hash" in event:
             parent = event["parent_block_hash"]
             parts.append("parent=" + ("-" if parent is None
-                                      else _text(short_hash(parent, self.hash_style))))
+                                      else short_hash(parent, self.hash_style)))
         tokens = event.get("token_ids")
         if tokens is not None:
             size = event.get("block_size")
             count = len(tokens) if type(tokens) is list else _brief(tokens)
-            parts.append(_text(f"tokens={count}" + (f" ({size}/block)" if size else "")))
+            parts.append(f"tokens={count}" + (f" ({size}/block)" if size else ""))
         for key in ("lora_name", "lora_id", "medium"):
             if event.get(key) is not None:
                 parts.append(f"{key.split('_')[0] if key != 'lora_id' else 'lora_id'}="
-                             f"{_text(event[key])}")
+                             f"{event[key]}")
         if "worker_id" in event:
-            parts.append(f"worker={_text(event['worker_id'])}")
+            parts.append(f"worker={event['worker_id']}")
+        line.append(" " + " ".join(parts) if parts else "")
         extras = [k for k in event if k not in _SHOWN_ELSEWHERE and event[k] is not None]
         if extras:
-            parts.append("[dim]" + _text(" ".join(f"{k}={_brief(event[k])}"
-                                                   for k in extras)) + "[/]")
-        return " ".join(parts)
+            line.append(" ")
+            line.append(" ".join(f"{k}={_brief(event[k])}" for k in extras), "dim")
+        return line
 
     def close(self) -> None:
         pass
-
-
-def _text(value: Any) -> str:
-    """Any value as literal text inside rich markup."""
-    from rich.markup import escape  # rich loads only when pretty output is used
-
-    return escape(value if type(value) is str else str(value))
 
 
 def _brief(value: Any) -> str:
@@ -219,11 +227,11 @@ class StderrDiagnostics:
         self.quiet = quiet
 
     def say(self, text: str, style: str = "") -> None:
-        from rich.markup import escape
+        """One line, shown literally (a rich Text, never parsed as markup)."""
+        from rich.text import Text
 
         if not self.quiet:
-            body = escape(text)
-            self.console.print(f"[{style}]{body}[/]" if style else body)
+            self.console.print(Text(text, style=style))
 
     def malformed(self, batch: Batch) -> None:
         raw = b"|".join(batch.frames)
