@@ -322,9 +322,17 @@ def test_raw_replay_refuses_nats_messages_in_one_line(tmp_path):
     data = encode_envelope([router_event(stored([5]), 7, 0)], 42, 0, 1_700_000_000_000)
     writer.write(decode_nats("namespace.d.component.b.endpoint.g.kv-events", data,
                              "nats://127.0.0.1:4222", 1_700_000_000_000_000_000))
+    writer.write(decode_nats("namespace.d.component.b.endpoint.g.kv-events", b"\xc1",
+                             "nats://127.0.0.1:4222", 1_700_000_000_000_000_001))
     writer.close()
     result = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}",
                        "--format", "raw", "--topspeed")
     err = result.stderr.decode()
     assert result.returncode == 2, err
     assert "NATS messages" in err and "--to nats://" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    # without --format: Dynamo events re-encoded for vLLM, the malformed NATS message skipped
+    result = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}",
+                       "--topspeed", "--json")
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and (report["batches"], report["skipped"]) == (1, 1)

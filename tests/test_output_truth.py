@@ -170,3 +170,20 @@ def test_record_keeps_it_malformed_and_check_reports_kv001(engine, tmp_path):
     rules = {r["id"]: r for r in report["rules"]}
     assert result.returncode == 3 and set(rules) == {"KV001"}, rules
     assert WHY in rules["KV001"]["examples"][0]["message"]
+
+
+# --- Dynamo's event plane behind the broker -----------------------------------------------------
+
+
+def test_tap_reads_the_event_plane_behind_a_broker(engine):
+    """Through DYN_ZMQ_BROKER_URL the topic frame is the full subject; tap keeps it."""
+    subject = b"namespace.dynamo.component.backend.endpoint.generate.kv-events"
+    env = encode_envelope([router_event(stored([BIG]), 7, 0)], 42, 3, 1_700_000_000_000)
+    proc = start_kvctl("tap", engine.endpoint, "--json", "-c", "1", "--hash-format", "string")
+    engine.wait_for()
+    engine.send_raw(encode_event_plane(env, 42, 3, subject))
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    (row,) = (json.loads(line) for line in out.splitlines())
+    assert (row["format"], row["topic"], row["seq"]) == ("dynamo-zmq", subject.decode(), 3)
+    assert row["block_hashes"] == [str(BIG)] and row["worker_id"] == 7
