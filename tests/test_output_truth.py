@@ -187,3 +187,20 @@ def test_tap_reads_the_event_plane_behind_a_broker(engine):
     (row,) = (json.loads(line) for line in out.splitlines())
     assert (row["format"], row["topic"], row["seq"]) == ("dynamo-zmq", subject.decode(), 3)
     assert row["block_hashes"] == [str(BIG)] and row["worker_id"] == 7
+
+
+def test_older_recordings_with_wrong_types_still_read_and_check(tmp_path):
+    """Recordings of kvctl versions before the decoders checked types may hold such events:
+    cat shows them (literally) and check reports them under KV002/KV206."""
+    path = tmp_path / "old.parquet"
+    writer = RecordingWriter(path)
+    event = {"type": "BlockStored", "block_hashes": "[bold]d03", "parent_block_hash": 1.5,
+             "token_ids": {"a": 1}, "block_size": 2}
+    writer.write(Batch(source="tcp://old:5557", events=[event], format="engine-map", seq=0,
+                       ts=1.0, recv_ns=T0_NS, frames=[b"", bytes(8), b"\x93"]))
+    writer.close()
+    code, out = kvctl_in_process("cat", str(path))
+    assert code == 0 and "blocks=[bold]d03" in out and "tokens={'a': 1}" in out, out
+    result = run_kvctl("check", str(path), "--json")
+    rules = {r["id"] for r in json.loads(result.stdout)["rules"]}
+    assert {"KV002", "KV206"} <= rules and "KV001" not in rules, rules
