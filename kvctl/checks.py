@@ -23,6 +23,10 @@ Design choices (also in the rule table, :data:`RULES`):
   are chained by parent and do not count either.
 - Capacity (KV104) counts the times a worker's occupancy rises above ``num_blocks``, checked at
   the end of each batch (stores and the evictions that made room may come in either order).
+- Wrong types (KV002, KV206 for a non-int hash): the decoders turn an event whose known fields
+  carry a type no producer sends into a malformed message (KV001, the field named), so live
+  streams and new recordings report KV001; these rules still catch such events in recordings
+  of older kvctl versions and in batches fed directly.
 """
 
 from __future__ import annotations

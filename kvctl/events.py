@@ -8,7 +8,8 @@ Decoders of other shapes (positional arrays, Dynamo RouterEvents) build the same
 
 A *batch* is what one transport message carried: metadata plus a list of events.
 Hash values are kept exactly as the producer sent them (signed int, unsigned int or bytes);
-presentation (unsigned / signed / hex) is the formatter's job, see :func:`present_hash`.
+presentation (unsigned / signed / hex / decimal string) is the formatter's job, see
+:func:`present_hash`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ CORE_EVENT_FIELDS = (
 
 U64_MASK = (1 << 64) - 1
 
+HASH_STYLES = ("unsigned", "signed", "hex", "string")
+"""How 64-bit hashes are shown: ``string`` is the unsigned value as decimal text, for readers
+that parse JSON numbers as IEEE doubles (jq, JavaScript) and round integers above 2^53."""
+
 
 @dataclass(slots=True)
 class Batch:
@@ -80,15 +85,105 @@ class Batch:
 
 def present_hash(value: Any, style: str = "unsigned") -> Any:
     """Render one block hash for people and JSON: 64-bit ints as unsigned (Dynamo's view),
-    signed, or hex; byte-string hashes always as hex."""
+    signed, hex, or the unsigned value as a decimal string; byte-string hashes always as
+    hex."""
     if isinstance(value, int) and not isinstance(value, bool):
         if not -(1 << 63) <= value < (1 << 64):
-            return value  # does not fit 64 bits: show it as sent, `check` flags it
+            # does not fit 64 bits: shown as sent (`check` flags it), as text where asked
+            return str(value) if style == "string" else value
         if style == "unsigned":
             return value + (1 << 64) if value < 0 else value
         if style == "signed":
             return value - (1 << 64) if value >= 1 << 63 else value
+        if style == "string":
+            return str(value + (1 << 64) if value < 0 else value)
         return f"{value & U64_MASK:016x}"
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).hex()
     return value
+
+
+# --- field types ------------------------------------------------------------------------------
+# What real producers put in the known fields (wire-formats reference): hashes are ints (signed
+# or unsigned 64-bit, Dynamo u64) or bytes (vLLM's raw 32-byte SHA-256); token ids are ints,
+# SGLang EAGLE [a, b] pairs, strings, or TensorRT-LLM's serialized UniqueToken maps; null
+# means "not set" everywhere. Any other type is a producer bug, and the decoders turn the
+# whole message into a malformed one that names the field, so that no command prints, records
+# or models an event whose meaning is unknown. Fields kvctl does not know are never checked.
+TYPED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                "lora_name", "medium", "tokens_hashes")
+"""The fields :func:`field_type_error` checks; every other field may hold any value."""
+_HASH_TYPES = frozenset({int, bytes})
+_TOKEN_TYPES = frozenset({int, str, dict})
+_INT_OR_NIL = frozenset({int, type(None)})
+_STR_OR_NIL = frozenset({str, type(None)})
+_KINDS = {str: "a str", dict: "a map", list: "an array", float: "a float", bool: "a bool",
+          bytes: "bytes", int: "an int"}
+
+
+def _kind(value: Any) -> str:
+    return _KINDS.get(type(value)) or f"a {type(value).__name__}"
+
+
+def field_type_error(event: Event) -> str | None:
+    """The first known field of ``event`` whose type no producer sends, described (``None``
+    when every known field has a type some producer uses).
+
+    On the hot path of every command, so the common case costs a few C-level calls. Token
+    ids (the long list) are summed in C first, which raises on str, list, map and nil and
+    turns float on a float; only then are the elements looked at one by one. (A bool among
+    token ids passes: msgpack's true sums as 1. Hashes are checked exactly.)"""
+    get = event.get
+    hashes = get("block_hashes")
+    if hashes is not None:
+        if type(hashes) is not list:
+            return f"block_hashes is {_kind(hashes)}, expected an array of int or bytes"
+        if not _HASH_TYPES.issuperset(map(type, hashes)):
+            bad = next(h for h in hashes if type(h) not in _HASH_TYPES)
+            return f"block_hashes holds {_kind(bad)}, expected int or bytes"
+    parent = get("parent_block_hash")
+    if parent is not None and type(parent) is not int and type(parent) is not bytes:
+        return f"parent_block_hash is {_kind(parent)}, expected int, bytes or nil"
+    tokens = get("token_ids")
+    if tokens is not None:
+        if type(tokens) is not list:
+            return f"token_ids is {_kind(tokens)}, expected an array"
+        try:
+            plain = type(sum(tokens)) is int
+        except TypeError:
+            plain = False
+        if not plain:
+            problem = _token_error(tokens)
+            if problem is not None:
+                return problem
+    value = get("block_size")
+    if type(value) not in _INT_OR_NIL:
+        return f"block_size is {_kind(value)}, expected int or nil"
+    value = get("lora_id")
+    if type(value) not in _INT_OR_NIL:
+        return f"lora_id is {_kind(value)}, expected int or nil"
+    value = get("lora_name")
+    if type(value) not in _STR_OR_NIL:
+        return f"lora_name is {_kind(value)}, expected a string or nil"
+    value = get("medium")
+    if type(value) not in _STR_OR_NIL:
+        return f"medium is {_kind(value)}, expected a string or nil"
+    value = get("tokens_hashes")  # Dynamo: one u64 per block (null: that block sent none)
+    if value is not None:
+        if type(value) is not list:
+            return f"tokens_hashes is {_kind(value)}, expected an array of int"
+        for h in value:
+            if h is not None and type(h) is not int:
+                return f"tokens_hashes holds {_kind(h)}, expected int"
+    return None
+
+
+def _token_error(tokens: list[Any]) -> str | None:
+    for token in tokens:
+        if type(token) in _TOKEN_TYPES:
+            continue
+        if type(token) is list and token and all(type(t) is int for t in token):
+            continue  # an EAGLE [a, b] pair
+        return (f"token_ids holds {_kind(token)}, expected int, an [int, int] pair, "
+                "a string or a token map")
+    return None

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from .events import EVENT_TYPES
+from .events import EVENT_TYPES, HASH_STYLES
 
 F = Callable[..., Any]
 
@@ -75,9 +75,11 @@ limit_options = _stack(
 output_options = _stack(
     click.option("--json", "as_json", is_flag=True,
                  help="JSON lines on stdout (one object per event); diagnostics stay on stderr."),
-    click.option("--hash-format", type=click.Choice(["unsigned", "signed", "hex"]),
+    click.option("--hash-format", type=click.Choice(HASH_STYLES),
                  default="unsigned", show_default=True,
-                 help="How 64-bit block hashes are shown (byte hashes are always hex)."),
+                 help="How 64-bit hashes (block, parent, Dynamo tokens_hash) are shown; "
+                      "'string' writes decimal text that jq and pandas keep exact (byte "
+                      "hashes are always hex)."),
     click.option("-q", "--quiet", is_flag=True, help="No diagnostics or summary on stderr."),
 )
 

@@ -38,7 +38,8 @@ def dumps(obj: Any) -> str:
     return _dumps(obj).decode()
 
 
-HASH_FIELDS = ("block_hashes", "parent_block_hash")
+HASH_FIELDS = ("block_hashes", "parent_block_hash", "tokens_hashes")
+_TEXT_STYLES = ("hex", "string")  # styles that turn every int hash into text
 _TEMPLATE = dict.fromkeys(("type", *CORE_EVENT_FIELDS))
 
 
@@ -76,9 +77,12 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
         if hashes is not None:
             row["block_hashes"] = present_hashes(hashes, hash_style)
         parent = row["parent_block_hash"]
-        if parent is not None and (hash_style == "hex" or not (
+        if parent is not None and (hash_style in _TEXT_STYLES or not (
                 type(parent) is int and 0 <= parent < 1 << 63)):
             row["parent_block_hash"] = present_hash(parent, hash_style)
+        tokens_hashes = row.get("tokens_hashes")  # Dynamo's u64 per block: a hash too
+        if tokens_hashes is not None:
+            row["tokens_hashes"] = present_hashes(tokens_hashes, hash_style)
         rows.append(row)
     return rows
 
@@ -131,31 +135,49 @@ class PrettySink:
             def on_broken_pipe(self) -> None:
                 raise BrokenPipeError  # cli exits 0, as for JSON lines (rich would exit 1)
 
-        self.console = console or _Console(highlight=False, soft_wrap=True)
+        # emoji off: a producer's ":thumbs_up:" is shown as sent, not as a picture
+        self.console = console or _Console(highlight=False, soft_wrap=True, emoji=False)
         self.hash_style = hash_style
         self.max_hashes = max_hashes
 
     def write(self, batch: Batch, events: list[Event]) -> None:
-        from rich.markup import escape
+        # Lines are built as rich Text, never as markup: a hex hash list "[d0326374b3…]" or a
+        # producer's "[bold]" would otherwise be read as a tag and vanish (and rich's own
+        # escape() does not round-trip a backslash before "[").
+        from rich.text import Text
 
-        worker = "" if batch.worker_id is None else f" worker={batch.worker_id}"
-        dp = "" if batch.dp_rank is None else f" dp={batch.dp_rank}"
-        seq = "" if batch.seq is None else f" seq={batch.seq}"
-        recovered = " [yellow](recovered)[/]" if batch.recovered else ""
-        topic = f" topic={escape(batch.topic)}" if batch.topic else ""
-        lines = [f"[bold]{_clock(batch.ts)}[/] [cyan]{escape(batch.source)}[/]{seq}{worker}{dp}"
-                 f"{topic} [dim]{batch.format} · {len(events)} events[/]{recovered}"]
+        header = Text()
+        header.append(_clock(batch.ts), "bold")
+        header.append(" ")
+        header.append(str(batch.source), "cyan")
+        header.append("" if batch.seq is None else f" seq={batch.seq}")
+        header.append("" if batch.worker_id is None else f" worker={batch.worker_id}")
+        header.append("" if batch.dp_rank is None else f" dp={batch.dp_rank}")
+        header.append(f" topic={batch.topic}" if batch.topic else "")
+        header.append(" ")
+        header.append(f"{batch.format} · {len(events)} events", "dim")
+        if batch.recovered:
+            header.append(" (recovered)", "yellow")
+        lines = [header]
         for event in events:
-            lines.append("  " + self.event_line(event))
-        self.console.print("\n".join(lines))
+            line = Text("  ")
+            line.append_text(self.event_line(event))
+            lines.append(line)
+        self.console.print(Text("\n").join(lines))
 
-    def event_line(self, event: Event) -> str:
-        from rich.markup import escape
+    def event_line(self, event: Event) -> Any:
+        """One event as a rich Text (values shown literally, never parsed as markup)."""
+        from rich.text import Text
 
         etype = str(event.get("type"))
-        style = _STYLE.get(etype, "yellow")
-        parts = [f"[{style}]{_MARK.get(etype, '?')} {escape(etype):<16}[/]"]
-        hashes = event.get("block_hashes") or []
+        line = Text()
+        line.append(f"{_MARK.get(etype, '?')} {etype:<16}", _STYLE.get(etype, "yellow"))
+        parts = []
+        hashes = event.get("block_hashes")
+        if type(hashes) is not list:  # only recordings of older kvctl versions hold these
+            if hashes is not None:
+                parts.append(f"blocks={_brief(hashes)}")
+            hashes = []
         if hashes or etype != "AllBlocksCleared":
             shown = " ".join(short_hash(h, self.hash_style) for h in hashes[: self.max_hashes])
             more = f" +{len(hashes) - self.max_hashes}" if len(hashes) > self.max_hashes else ""
@@ -163,23 +185,25 @@ class PrettySink:
             parts.append(f"{len(hashes)} {noun} [{shown}{more}]")
         if "parent_block_hash" in event:
             parent = event["parent_block_hash"]
-            parts.append("parent=" + ("-" if parent is None else short_hash(parent,
-                                                                             self.hash_style)))
+            parts.append("parent=" + ("-" if parent is None
+                                      else short_hash(parent, self.hash_style)))
         tokens = event.get("token_ids")
         if tokens is not None:
             size = event.get("block_size")
-            parts.append(f"tokens={len(tokens)}" + (f" ({size}/block)" if size else ""))
+            count = len(tokens) if type(tokens) is list else _brief(tokens)
+            parts.append(f"tokens={count}" + (f" ({size}/block)" if size else ""))
         for key in ("lora_name", "lora_id", "medium"):
             if event.get(key) is not None:
                 parts.append(f"{key.split('_')[0] if key != 'lora_id' else 'lora_id'}="
-                             f"{escape(str(event[key]))}")
+                             f"{event[key]}")
         if "worker_id" in event:
             parts.append(f"worker={event['worker_id']}")
+        line.append(" " + " ".join(parts) if parts else "")
         extras = [k for k in event if k not in _SHOWN_ELSEWHERE and event[k] is not None]
         if extras:
-            parts.append("[dim]" + escape(" ".join(f"{k}={_brief(event[k])}"
-                                                    for k in extras)) + "[/]")
-        return " ".join(parts)
+            line.append(" ")
+            line.append(" ".join(f"{k}={_brief(event[k])}" for k in extras), "dim")
+        return line
 
     def close(self) -> None:
         pass
@@ -198,15 +222,16 @@ class StderrDiagnostics:
     def __init__(self, console: Any = None, quiet: bool = False) -> None:
         from rich.console import Console
 
-        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True,
+                                          emoji=False)
         self.quiet = quiet
 
     def say(self, text: str, style: str = "") -> None:
-        from rich.markup import escape
+        """One line, shown literally (a rich Text, never parsed as markup)."""
+        from rich.text import Text
 
         if not self.quiet:
-            body = escape(text)
-            self.console.print(f"[{style}]{body}[/]" if style else body)
+            self.console.print(Text(text, style=style))
 
     def malformed(self, batch: Batch) -> None:
         raw = b"|".join(batch.frames)

@@ -115,6 +115,8 @@ class ZmqTarget:
             self.socket(self.slot_for(batch))
 
     def frames(self, batch: Batch, events: list[Event], slot: int) -> list[bytes]:
+        if self.encoding == "raw" and not batch.format.startswith("engine"):
+            return recorded_zmq_frames(batch)  # e.g. Dynamo's event plane: its seq is inside
         seq = batch.seq if self.keep_seq and batch.seq is not None else self.seqs[slot]
         self.seqs[slot] = seq + 1
         if self.worker_topics and batch.worker_id is not None:
@@ -128,10 +130,10 @@ class ZmqTarget:
             if len(batch.frames) == 3 and batch.format.startswith("engine"):
                 recorded_topic = topic if self.worker_topics else batch.frames[0]
                 return [recorded_topic, seq.to_bytes(8, "big"), batch.frames[2]]
-            if len(batch.frames) == 1 and batch.format.startswith("engine"):  # relayed on NATS
+            if len(batch.frames) == 1:  # an engine payload relayed on NATS
                 return [topic, seq.to_bytes(8, "big"), batch.frames[0]]
-            raise UsageError(f"--format raw needs engine batches; this source is {batch.format}"
-                             " (choose --format vllm, vllm-array, sglang or seed)")
+            raise UsageError(f"--format raw: a {batch.format} message from {batch.source} with"
+                             f" {len(batch.frames)} frames has no recorded payload to send")
         ts = batch.ts if batch.ts is not None else time.time()
         payload = engine_zmq.encode_payload(events, ts, batch.dp_rank, self.encoding,
                                             self.array_layout)
@@ -142,9 +144,9 @@ class ZmqTarget:
         sock = self.socket(slot)
         frames = self.frames(batch, events, slot)
         sock.send(frames)
-        if self.replays:
+        if self.replays and len(frames) == 3:  # the engine's ring holds engine batches only
             self.replays[slot].remember(int.from_bytes(frames[1], "big"), frames[0], frames[2])
-        size = len(frames[0]) + 8 + len(frames[2])
+        size = sum(map(len, frames))
         self.bytes_sent += size
         return size
 
@@ -161,6 +163,26 @@ class ZmqTarget:
             s.close()
         for r in self.replays:
             r.close()
+
+
+def from_nats(batch: Batch) -> bool:
+    """The message came from a NATS subscription (one frame: the message data)."""
+    return batch.source.startswith(("nats://", "tls://")) and len(batch.frames) == 1
+
+
+def recorded_zmq_frames(batch: Batch) -> list[bytes]:
+    """The frames of a ZMQ message exactly as they arrived (``--format raw``), or a usage
+    error for a NATS message: it arrived as a subject and data, not as ZMQ frames, and
+    inventing a framing for it would not be a replay of what was recorded."""
+    if from_nats(batch):
+        raise UsageError(
+            f"--format raw replays ZMQ messages as they arrived; this recording holds NATS"
+            f" messages ({batch.format} on {batch.topic or batch.source}): replay them --to"
+            " nats://HOST:PORT, or re-encode for ZMQ with --format vllm")
+    if not batch.frames:
+        raise UsageError(f"--format raw: a {batch.format} message from {batch.source} was"
+                         " recorded without its frames")
+    return batch.frames
 
 
 class NatsTarget:
@@ -353,10 +375,14 @@ class Sender:
         self.target.service()
 
     def write_raw(self, batch: Batch) -> bool:
-        """Send a malformed message's frames exactly as recorded (raw ZMQ replay only)."""
-        if isinstance(self.target, ZmqTarget) and self.encoding in (None, "raw") and batch.frames:
-            self.target.socket(self.target.slot_for(batch)).send(batch.frames)
-            self.bytes += sum(map(len, batch.frames))
+        """Send a malformed message's frames exactly as recorded (raw ZMQ replay only; the
+        default format sends those of ZMQ messages and skips NATS ones, ``--format raw``
+        refuses NATS ones, see :func:`recorded_zmq_frames`)."""
+        if (isinstance(self.target, ZmqTarget) and self.encoding in (None, "raw")
+                and batch.frames and (self.encoding == "raw" or not from_nats(batch))):
+            frames = recorded_zmq_frames(batch)
+            self.target.socket(self.target.slot_for(batch)).send(frames)
+            self.bytes += sum(map(len, frames))
             self.batches += 1
             return True
         self.skipped += 1

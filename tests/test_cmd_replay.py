@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 
+import msgpack
 import pytest
 import zmq
 from conftest import Engine, finish, free_port, removed, run_kvctl, start_kvctl, stored
@@ -261,3 +262,77 @@ def test_replay_usage_errors(recording, args):
     result = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", *args)
     assert result.returncode == 2, result.stderr
     assert b"Traceback" not in result.stderr
+
+
+def _event_plane_message(topic: bytes, sequence: int) -> list[bytes]:
+    from kvctl.formats.dynamo import encode_envelope, encode_event_plane, router_event
+
+    maps = [router_event(stored([2**63 + sequence], parent=None), 7, sequence)]
+    return encode_event_plane(encode_envelope(maps, 42, sequence, 1_700_000_000_000), 42,
+                              sequence, topic)
+
+
+def test_raw_replay_sends_every_zmq_message_as_it_arrived(tmp_path):
+    """Engine batches, Dynamo event-plane messages (direct and broker topics), a batch without
+    events and malformed messages: ``--format raw`` sends each one's frames byte for byte, in
+    recorded order (``--keep-seq``: the engine seq frame as recorded too)."""
+    broker_topic = b"namespace.dynamo.component.backend.endpoint.generate.kv-events"
+    messages = [
+        encode_frames(b"kv@w0@m", 5, encode_payload([stored([1])], 1.0, 0)),
+        _event_plane_message(b"kv-events", 0),
+        _event_plane_message(broker_topic, 1),
+        [b"", (6).to_bytes(8, "big"), b"\xc1"],  # not msgpack
+        encode_frames(b"", 7, msgpack.packb([2.0, [{"type": "BlockStored",
+                                                    "block_hashes": "1234"}], 0])),
+        encode_frames(b"", 8, encode_payload([], 3.0, 0)),  # a step without events
+        [b"one frame"],
+    ]
+    path = tmp_path / "mixed.parquet"
+    writer = RecordingWriter(path)
+    for i, frames in enumerate(messages):
+        writer.write(decode_zmq(frames, "tcp://127.0.0.1:1", 1_700_000_000_000_000_000 + i))
+    writer.close()
+    kinds = [(b.format, b.error is None) for b in open_recording(path)]
+    assert kinds[1:3] == [("dynamo-zmq", True)] * 2 and not kinds[3][1] and not kinds[4][1]
+
+    to = f"tcp://127.0.0.1:{free_port()}"
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(to)
+    replay = start_kvctl("replay", str(path), "--to", to, "--format", "raw", "--keep-seq",
+                         "--wait-subscribers", "1", "--topspeed", "--json")
+    received = []
+    try:
+        while len(received) < len(messages) and sub.poll(15_000):
+            received.append(sub.recv_multipart())
+    finally:
+        sub.close(0)
+    rc, report, err = finish(replay)
+    assert rc == 0, err
+    assert received == messages
+    assert json.loads(report)["batches"] == len(messages)
+
+
+def test_raw_replay_refuses_nats_messages_in_one_line(tmp_path):
+    from kvctl.formats import decode_nats
+    from kvctl.formats.dynamo import encode_envelope, router_event
+
+    path = tmp_path / "nats.parquet"
+    writer = RecordingWriter(path)
+    data = encode_envelope([router_event(stored([5]), 7, 0)], 42, 0, 1_700_000_000_000)
+    writer.write(decode_nats("namespace.d.component.b.endpoint.g.kv-events", data,
+                             "nats://127.0.0.1:4222", 1_700_000_000_000_000_000))
+    writer.write(decode_nats("namespace.d.component.b.endpoint.g.kv-events", b"\xc1",
+                             "nats://127.0.0.1:4222", 1_700_000_000_000_000_001))
+    writer.close()
+    result = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}",
+                       "--format", "raw", "--topspeed")
+    err = result.stderr.decode()
+    assert result.returncode == 2, err
+    assert "NATS messages" in err and "--to nats://" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    # without --format: Dynamo events re-encoded for vLLM, the malformed NATS message skipped
+    result = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}",
+                       "--topspeed", "--json")
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and (report["batches"], report["skipped"]) == (1, 1)

@@ -3,6 +3,7 @@ the ZMQ event plane; tokens_hash."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import msgpack
@@ -158,3 +159,93 @@ def test_real_dynamo_1_6_capture():
     # our encoder produces the same RouterEvent structure
     ours = router_event({"type": "BlockRemoved", "block_hashes": [333]}, 42, 3)
     assert msgpack.unpackb(msgpack.unpackb(DYNAMO_1_6_REMOVED)["payload"]) == [ours]
+
+
+# Dynamo's ZMQ event plane behind the broker (DYN_ZMQ_BROKER_URL): the topic frame is the full
+# subject, not "kv-events" (EventPublisher hands ZmqPubTransport::connect the subject). Frames
+# written out byte for byte: publisher 42, sequence 5, version 1, length 240, envelope.
+BROKER_SUBJECT = b"namespace.dynamo.component.backend.endpoint.generate.kv-events"
+ENVELOPE_HEX = (
+    "85ac7075626c69736865725f69642aa873657175656e636505ac7075626c69736865645f6174cf0000018bcf"
+    "e5687ba5746f706963a96b762d6576656e7473a77061796c6f6164c4a79183a9776f726b65725f696407ac73"
+    "746f726167655f74696572a6646576696365a56576656e7483a86576656e745f696403a46461746181a67374"
+    "6f72656483ab706172656e745f68617368c0ae73746172745f706f736974696f6ec0a6626c6f636b739183aa"
+    "626c6f636b5f68617368cf8000000000000001ab746f6b656e735f68617368cf7ee2cbedc694ab46ad6d6d5f"
+    "65787472615f696e666fc0a764705f72616e6b00")
+BROKER_FRAMES = [BROKER_SUBJECT, bytes.fromhex("000000000000002a"),
+                 bytes.fromhex("0000000000000005"),
+                 bytes.fromhex("01000000f0") + bytes.fromhex(ENVELOPE_HEX)]
+
+
+@pytest.mark.parametrize("topic", [BROKER_SUBJECT, b"kv-events", b"", b"anything else"])
+def test_event_plane_is_recognised_by_its_frames_whatever_the_topic(topic):
+    batch = decode_zmq([topic, *BROKER_FRAMES[1:]], "tcp://broker:5556")
+    assert batch.error is None, batch.error
+    assert batch.format == "dynamo-zmq" and batch.topic == topic.decode()
+    assert (batch.seq, batch.publisher, batch.ts) == (5, ("tcp://broker:5556", 42),
+                                                      1_700_000_000.123)
+    (event,) = batch.events
+    assert event["block_hashes"] == [2**63 + 1] and event["tokens_hashes"] == [tokens_hash(
+        [0, 1, 2, 3])]
+    assert batch.worker_id == 7 and batch.frames == [topic, *BROKER_FRAMES[1:]]
+
+
+def test_encoder_writes_the_golden_broker_frames():
+    env = bytes.fromhex(ENVELOPE_HEX)
+    assert encode_event_plane(env, 42, 5, BROKER_SUBJECT) == BROKER_FRAMES
+
+
+@pytest.mark.parametrize("frames,why", [
+    ([BROKER_SUBJECT, b"\x00" * 7, b"\x00" * 8, BROKER_FRAMES[3]], "7 and 8 bytes"),
+    ([BROKER_SUBJECT, b"\x00" * 8, b"\x00" * 9, BROKER_FRAMES[3]], "8 and 9 bytes"),
+    ([BROKER_SUBJECT, *BROKER_FRAMES[1:3], b"\x02" + BROKER_FRAMES[3][1:]], "version"),
+    ([BROKER_SUBJECT, *BROKER_FRAMES[1:3], BROKER_FRAMES[3] + b"\x00"], "says 240 bytes"),
+])
+def test_four_frames_that_are_not_the_event_plane_are_malformed(frames, why):
+    batch = decode_zmq(frames, "tcp://x")
+    assert batch.error is not None and why in batch.error, batch.error
+    assert batch.topic == BROKER_SUBJECT.decode() and batch.frames == frames
+
+
+def _router(block_hash=11, parent=None, tokens_hash=21, **stored_extra):
+    return {"worker_id": 7, "event": {"event_id": 1, "dp_rank": 0, "data": {"stored": {
+        "parent_hash": parent, "blocks": [{"block_hash": block_hash,
+                                           "tokens_hash": tokens_hash}], **stored_extra}}}}
+
+
+@pytest.mark.parametrize("router,why", [
+    (_router(block_hash="11"), "block_hashes holds a str, expected int or bytes"),
+    (_router(block_hash=1.5), "block_hashes holds a float"),
+    (_router(parent=2.0), "parent_block_hash is a float, expected int, bytes or nil"),
+    (_router(parent={"h": 1}), "parent_block_hash is a map"),
+    (_router(tokens_hash="21"), "tokens_hashes holds a str, expected int"),
+    (_router(lora_name=5), "lora_name is an int, expected a string or nil"),
+    ({"worker_id": 7, "event": {"event_id": 1, "data": {"removed": {
+        "block_hashes": [1, [2]]}}}}, "(BlockRemoved): block_hashes holds an array"),
+])
+def test_router_events_with_types_dynamo_never_sends_are_malformed(router, why):
+    env = encode_envelope([CLEARED_09, router], 42, 0, 0)
+    for batch in (decode_nats("s", env, "nats://x"),
+                  decode_zmq(encode_event_plane(env, 42, 0), "tcp://x"),
+                  decode_nats("s", json.dumps(router).encode(), "nats://x")):
+        assert batch.error is not None and why in batch.error, batch.error
+        assert batch.events == []
+    assert "event 1 (" in decode_nats("s", env, "nats://x").error  # which event, too
+
+
+wrong_scalars = st.one_of(st.floats(), st.text(max_size=4), st.binary(max_size=4),
+                          st.lists(st.integers(0, 2**64 - 1), max_size=2),
+                          st.dictionaries(st.text(max_size=2), st.integers(0, 9), max_size=2))
+
+
+@settings(max_examples=150, deadline=None)
+@given(field=st.sampled_from(["block_hash", "parent_hash", "tokens_hash"]), value=wrong_scalars)
+def test_any_wrong_typed_router_hash_is_malformed_never_a_crash(field, value):
+    if isinstance(value, bytes) and field != "tokens_hash":
+        value = 1.5  # bytes block hashes are valid (vLLM sends them): not a wrong type
+    router = _router(**{field: value})
+    batches = [decode_zmq(encode_event_plane(encode_envelope([router], 1, 0, 0), 1, 0), "t")]
+    with contextlib.suppress(TypeError):  # bytes have no JSON form
+        batches.append(decode_nats("s", json.dumps(router).encode(), "nats://x"))
+    for batch in batches:
+        assert batch.error is not None and batch.events == [], batch.error

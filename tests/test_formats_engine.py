@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvctl.formats import decode_zmq, worker_from_topic
+from kvctl.events import STORED_ARRAY_FIELDS, TYPED_FIELDS
+from kvctl.formats import decode_nats, decode_zmq, worker_from_topic
 from kvctl.formats.engine_zmq import ARRAY_LAYOUTS, encode_frames, encode_payload
 
 TOKENS = list(range(32))
@@ -163,9 +164,10 @@ msgpack_values = st.recursive(
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.text(max_size=8).filter(lambda k: k != "type"), msgpack_values,
-                       max_size=4))
+@given(st.dictionaries(st.text(max_size=8).filter(lambda k: k not in ("type", *TYPED_FIELDS)),
+                       msgpack_values, max_size=4))
 def test_any_msgpack_value_in_an_event_can_be_printed_and_recorded(fields):
+    # any value in a field whose type kvctl does not check (typed fields: tests below)
     payload = msgpack.packb([1.0, [{"type": "BlockStored", **fields}], 0], datetime=False)
     batch = decode_zmq([b"", b"\x00" * 8, payload], "src")
     assert batch.error is None
@@ -232,3 +234,98 @@ def test_sglang_and_seed_round_trip(events):
         [_signed(h) for h in ev["block_hashes"]] for ev in events if ev["type"] == "BlockStored"]
     assert all(set(e) == {"type", "block_hashes"} for e in seed.events
                if e["type"] == "BlockRemoved")
+
+
+# --- known fields of types no producer sends ---------------------------------------------------
+
+
+def _stored(**fields):
+    return {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+            "token_ids": [1, 2], "block_size": 2, "lora_id": None, **fields}
+
+
+@pytest.mark.parametrize("event,why", [
+    (_stored(block_hashes="d0326374"),
+     "event 0 (BlockStored): block_hashes is a str, expected an array of int or bytes"),
+    (_stored(block_hashes={"a": 1}), "block_hashes is a map"),
+    (_stored(block_hashes=[1, 2.5]), "block_hashes holds a float, expected int or bytes"),
+    (_stored(block_hashes=[None]), "block_hashes holds a NoneType"),
+    (_stored(block_hashes=[True]), "block_hashes holds a bool"),
+    (_stored(parent_block_hash=1.0), "parent_block_hash is a float, expected int, bytes or nil"),
+    (_stored(parent_block_hash="1"), "parent_block_hash is a str"),
+    (_stored(token_ids={"0": 1}), "token_ids is a map, expected an array"),
+    (_stored(token_ids="12"), "token_ids is a str"),
+    (_stored(token_ids=[1, 2.0]), "token_ids holds a float"),
+    (_stored(token_ids=[1, None]), "token_ids holds a NoneType"),
+    (_stored(token_ids=[[1, "x"]]), "token_ids holds an array"),
+    (_stored(block_size=16.0), "block_size is a float, expected int or nil"),
+    (_stored(block_size="16"), "block_size is a str"),
+    (_stored(lora_id="a"), "lora_id is a str, expected int or nil"),
+    (_stored(lora_name=3), "lora_name is an int, expected a string or nil"),
+    (_stored(medium=["GPU"]), "medium is an array, expected a string or nil"),
+    ({"type": "BlockRemoved", "block_hashes": 5}, "event 0 (BlockRemoved): block_hashes is an"),
+    (["BlockStored", "d0326374", None, [1, 2], 2, None], "event 0 (BlockStored): block_hashes"),
+    (["BlockStored", [1], None, [1, 2], 2.5, None], "block_size is a float"),
+    (["BlockRemoved", [1], 7], "medium is an int"),
+])
+def test_known_fields_of_types_no_producer_sends_make_the_batch_malformed(event, why):
+    frames = frames_of([1.0, [{"type": "AllBlocksCleared"}, event], 0])
+    batch = decode_zmq(frames, "src")
+    assert batch.error is not None and why.replace("event 0", "event 1") in batch.error, \
+        batch.error
+    assert batch.events == [] and batch.frames == frames
+    relayed = decode_nats("s", frames[2], "nats://x")  # an engine payload relayed on NATS
+    assert relayed.error == batch.error
+
+
+@pytest.mark.parametrize("event", [
+    _stored(token_ids=[[1, 2], [3, 4]], block_size=2),  # SGLang EAGLE bigram pairs
+    _stored(token_ids=["a", "b"]),  # string tokens
+    _stored(token_ids=[{"type": "unique_token", "token_id": 1, "token_extra_id": 0}]),  # TRT-LLM
+    _stored(block_hashes=[bytes(range(32))], parent_block_hash=bytes(32)),  # vLLM sha256 bytes
+    _stored(block_hashes=[-1, 2**64 - 1, 0], parent_block_hash=-(2**63)),  # i64 and u64
+    _stored(parent_block_hash=None, lora_id=None, lora_name=None, medium=None),
+    _stored(lora_id=3, lora_name="adapter", medium="CPU_PINNED", brand_new={"x": [1.5]},
+            extra_keys=[["img", 0.5]], group_idx="g"),  # unknown/unchecked fields: anything
+    {"type": "AllBlocksCleared"},
+    {"type": "Unknown", "whatever": 1.5},
+    ["BlockStored", [1], None, [1, 2], 2, None, "GPU", None, [["x"]], 0, "full", None, 9.5],
+])
+def test_values_real_producers_send_stay_valid(event):
+    batch = decode_zmq(frames_of([1.0, [event], 0]), "src")
+    assert batch.error is None, batch.error
+    assert_printable_and_recordable(batch)
+
+
+wrong_types = st.one_of(st.floats(), st.text(max_size=4), st.booleans(),
+                        st.dictionaries(st.text(max_size=2), st.integers(0, 9), max_size=2))
+WRONG_FOR = {  # field -> a strategy of values no producer sends in it
+    "block_hashes": wrong_types.filter(lambda v: v is not None)
+    | st.lists(st.floats() | st.text(max_size=2) | st.none(), min_size=1, max_size=3)
+    .map(lambda v: [1, *v]),
+    "parent_block_hash": st.floats() | st.text(max_size=4) | st.booleans()
+    | st.lists(st.integers(0, 9), max_size=2),
+    "token_ids": st.floats() | st.text(max_size=4) | st.dictionaries(st.text(max_size=2),
+                                                                     st.integers(0, 9))
+    | st.lists(st.floats() | st.none() | st.binary(max_size=2), min_size=1, max_size=3)
+    .map(lambda v: [1, *v]),
+    "block_size": st.floats() | st.text(max_size=4) | st.booleans() | st.binary(max_size=2),
+    "lora_id": st.floats() | st.text(max_size=4) | st.lists(st.integers(0, 9), max_size=2),
+    "lora_name": st.floats() | st.integers(0, 9) | st.binary(max_size=2),
+    "medium": st.floats() | st.integers(0, 9) | st.lists(st.text(max_size=2), max_size=2),
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(field=st.sampled_from(sorted(WRONG_FOR)), data=st.data(), as_array=st.booleans(),
+       etype=st.sampled_from(["BlockStored", "BlockRemoved", "Custom"]))
+def test_wrong_typed_known_fields_are_always_malformed_never_a_crash(field, data, as_array,
+                                                                     etype):
+    value = data.draw(WRONG_FOR[field])
+    event = {**_stored(), "type": etype, field: value}
+    if as_array and etype == "BlockStored":
+        event = ["BlockStored", *(event.get(k) for k in STORED_ARRAY_FIELDS[:7])]
+    batch = decode_zmq(frames_of([1.0, [event], 0]), "src")
+    assert batch.error is not None and field in batch.error, batch.error
+    assert batch.events == []
+    assert_printable_and_recordable(batch)

@@ -167,8 +167,8 @@ def command(**params: Any) -> None:
                     sender.write_raw(batch)
                     continue
                 events = filters.apply(batch)
-                if not events:
-                    continue
+                if not events and (params["encoding"] != "raw" or batch.events):
+                    continue  # raw sends every message, one without events too
                 if remaining is not None:
                     if len(events) > remaining:
                         events = events[:remaining]

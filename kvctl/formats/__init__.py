@@ -56,9 +56,9 @@ def decode_zmq(
                 batch.dp_rank = payload_dp
             if worker_id is None:
                 batch.worker_id = worker_from_topic(topic)
-        elif len(frames) == 4 and frames[0] == dynamo.EVENT_PLANE_TOPIC:
+        elif len(frames) == 4:  # the event plane, whatever the topic (broker: the subject)
+            batch.topic = frames[0].decode("utf-8", "replace")
             publisher_id, sequence, envelope = dynamo.unwrap_event_plane(frames)
-            batch.topic = "kv-events"
             _fill_from_envelope(batch, envelope)
             batch.format = dynamo.EVENT_PLANE_FORM
             batch.publisher = (source, publisher_id)

@@ -2,8 +2,9 @@
 
 - RouterEvent as JSON (Dynamo <= 0.9, NATS core or JetStream);
 - the msgpack envelope of Dynamo >= 1.0 (NATS core), whose payload is an array of RouterEvents;
-- the Dynamo ZMQ event plane (>= 1.0): 4 frames ``[b"kv-events", publisher_id, sequence, frame]``
-  with ``frame = 0x01 || u32 BE length || envelope``.
+- the Dynamo ZMQ event plane (>= 1.0): 4 frames ``[topic, publisher_id, sequence, frame]``
+  with ``frame = 0x01 || u32 BE length || envelope``; the topic is ``kv-events`` (direct mode)
+  or the full subject (broker mode), so the message is recognised by its frames.
 
 A RouterEvent becomes one canonical event: ``stored`` -> BlockStored (``block_hashes`` from the
 blocks' ``block_hash``, ``tokens_hashes`` from their ``tokens_hash``), ``removed`` ->
@@ -22,7 +23,7 @@ import msgpack
 import xxhash
 
 from ..errors import DecodeError
-from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, Event
+from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, Event, field_type_error
 from .engine_zmq import to_unsigned
 
 TOKENS_HASH_SEED = 1337
@@ -107,7 +108,18 @@ def decode_json(payload: bytes) -> list[Event]:
     except (ValueError, UnicodeDecodeError) as exc:
         raise DecodeError(f"not JSON: {exc}") from None
     objs = obj if isinstance(obj, list) else [obj]
-    return [router_event_to_event(o) for o in objs]
+    return _router_events(objs)
+
+
+def _router_events(objs: list[Any]) -> list[Event]:
+    """RouterEvents -> canonical events; a known field of a type Dynamo never sends makes the
+    message undecodable, with the event and field named."""
+    events = [router_event_to_event(o) for o in objs]
+    for i, event in enumerate(events):
+        problem = field_type_error(event)
+        if problem is not None:
+            raise DecodeError(f"event {i} ({event['type']}): {problem}")
+    return events
 
 
 def decode_envelope(payload: bytes) -> tuple[dict[str, Any], list[Event]]:
@@ -124,15 +136,21 @@ def decode_envelope(payload: bytes) -> tuple[dict[str, Any], list[Event]]:
         raise DecodeError(f"envelope payload is not msgpack: {exc}") from None
     objs = inner if isinstance(inner, list) else [inner]
     header = {k: v for k, v in env.items() if k != "payload"}
-    return header, [router_event_to_event(o) for o in objs]
+    return header, _router_events(objs)
 
 
 def unwrap_event_plane(frames: list[bytes]) -> tuple[int, int, bytes]:
-    """Split a 4-frame event-plane message into (publisher_id, sequence, envelope bytes)."""
-    if len(frames) != 4 or frames[0] != EVENT_PLANE_TOPIC:
-        raise DecodeError("not a Dynamo event-plane message")
+    """Split a 4-frame event-plane message into (publisher_id, sequence, envelope bytes).
+
+    Recognised by its frames, whatever the topic: a publisher that binds its own PUB (direct
+    mode) sends ``kv-events``, one behind the broker (``DYN_ZMQ_BROKER_URL``) the full subject
+    ``namespace.{ns}.component.{comp}.endpoint.{ep}.kv-events`` (Dynamo's EventPublisher hands
+    its ZMQ transport the topic in direct mode and the subject in broker mode)."""
+    if len(frames) != 4:
+        raise DecodeError(f"{len(frames)} frames, a Dynamo event-plane message has 4")
     if len(frames[1]) != 8 or len(frames[2]) != 8:
-        raise DecodeError("event-plane publisher_id/sequence frames must be 8 bytes")
+        raise DecodeError(f"4 frames, but publisher_id/sequence frames are {len(frames[1])}"
+                          f" and {len(frames[2])} bytes, expected 8 (Dynamo event plane)")
     frame = frames[3]
     if len(frame) < 5 or frame[0] != EVENT_PLANE_VERSION:
         raise DecodeError(f"event-plane frame has unknown version byte {frame[:1].hex()}")
@@ -212,6 +230,9 @@ def encode_envelope(
     })
 
 
-def encode_event_plane(envelope: bytes, publisher_id: int, sequence: int) -> list[bytes]:
+def encode_event_plane(envelope: bytes, publisher_id: int, sequence: int,
+                       topic: bytes = EVENT_PLANE_TOPIC) -> list[bytes]:
+    """The 4 frames of an event-plane message; ``topic`` is ``kv-events`` in direct mode, the
+    full subject through the broker."""
     frame = bytes([EVENT_PLANE_VERSION]) + struct.pack(">I", len(envelope)) + envelope
-    return [EVENT_PLANE_TOPIC, publisher_id.to_bytes(8, "big"), sequence.to_bytes(8, "big"), frame]
+    return [topic, publisher_id.to_bytes(8, "big"), sequence.to_bytes(8, "big"), frame]

@@ -23,6 +23,7 @@ from ..events import (
     REMOVED_ARRAY_FIELDS,
     STORED_ARRAY_FIELDS,
     Event,
+    field_type_error,
 )
 
 _ARRAY_FIELDS = {BLOCK_STORED: STORED_ARRAY_FIELDS, BLOCK_REMOVED: REMOVED_ARRAY_FIELDS}
@@ -88,6 +89,9 @@ def decode_batch_object(obj: Any) -> tuple[float | None, list[Event], int | None
 
 
 def decode_events(raw_events: list[Any]) -> tuple[list[Event], str]:
+    """Name every event's fields; an event that is not a map or tagged array, or whose known
+    fields carry a type no producer sends (:func:`~kvctl.events.field_type_error`), makes the
+    whole batch undecodable."""
     maps = arrays = 0
     events: list[Event] = raw_events  # map-form events are used as they come
     for i, ev in enumerate(raw_events):
@@ -98,10 +102,13 @@ def decode_events(raw_events: list[Any]) -> tuple[list[Event], str]:
         elif type(ev) is list and ev and type(ev[0]) is str:
             if events is raw_events:
                 events = list(raw_events)
-            events[i] = _array_event(ev)
+            ev = events[i] = _array_event(ev)
             arrays += 1
         else:
             raise DecodeError(f"event {i} is {_describe(ev)}, expected a map or a tagged array")
+        problem = field_type_error(ev)
+        if problem is not None:
+            raise DecodeError(f"event {i} ({ev['type'][:40]}): {problem}")
     shape = MIXED_FORM if maps and arrays else ARRAY_FORM if arrays else MAP_FORM
     return events, shape
 
