@@ -11,6 +11,7 @@ from typing import IO, Any
 import msgspec
 
 from .events import CORE_EVENT_FIELDS, Batch, Event, present_hash
+from .text import plural
 
 _encoder = msgspec.json.Encoder()  # several times faster than json/orjson on these rows
 _encode = _encoder.encode
@@ -155,7 +156,7 @@ class PrettySink:
         header.append("" if batch.dp_rank is None else f" dp={batch.dp_rank}")
         header.append(f" topic={batch.topic}" if batch.topic else "")
         header.append(" ")
-        header.append(f"{batch.format} · {len(events)} events", "dim")
+        header.append(f"{batch.format} · {plural(len(events), 'event')}", "dim")
         if batch.recovered:
             header.append(" (recovered)", "yellow")
         lines = [header]
@@ -245,7 +246,7 @@ class StderrDiagnostics:
         how = (f"{len(recovered)} recovered from the replay socket" if recovered
                else "not recovered")
         self.say(f"kvctl: gap from {_publisher(publisher)}: seq {expected}..{got - 1} missing "
-                 f"({missing} batches, {how})", "yellow")
+                 f"({plural(missing, 'batch')}, {how})", "yellow")
 
     def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None:
         self.say(f"kvctl: {kind} from {_publisher(publisher)}: seq {got} after "

@@ -51,6 +51,9 @@ def test_cat_pretty_hex_hashes_appear(tmp_path):
     assert code == 0, out
     assert "2 blocks [d0326374b3… abcdef0123…]" in out
     assert "parent=feedface00…" in out and "lora=[bold]x" in out
+    assert "· 1 event\n" in out  # the batch header counts in English
+
+
 
 
 def test_tap_pretty_hex_hashes_appear(engine):
