@@ -115,6 +115,17 @@ class Smoke:
         self.passed += 1
         print(f"ok   {name} ({time.monotonic() - began:.1f} s): {detail}", flush=True)
 
+    def help_pages(self) -> str:
+        commands = ("tap", "record", "cat", "inspect", "recover", "replay", "bridge",
+                    "simulate", "check", "stats", "top")
+        out, _ = run("--help")
+        missing = [c for c in commands if c not in out.decode()]
+        if missing:
+            raise StepFailed(f"kvctl --help does not list {missing}")
+        for command in commands:
+            run(command, "--help")
+        return f"kvctl --help and {len(commands)} command pages"
+
     # --- a recording, and every command that reads one ---
 
     def simulate_to_file(self) -> str:
@@ -283,6 +294,7 @@ def main() -> int:
     print(f"smoke: {' '.join(KVCTL)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvctl-smoke-") as tmp:
         smoke = Smoke(Path(tmp))
+        smoke.step("--help", smoke.help_pages)
         smoke.step("simulate -o", smoke.simulate_to_file)
         smoke.step("tap (recording)", smoke.tap_file)
         smoke.step("cat", smoke.cat)
