@@ -77,7 +77,10 @@ class _TimeAxis:
     def __init__(self, t0: float | None) -> None:
         self.t0 = t0
         self.wall = t0 is not None and t0 >= WALL_CLOCK_FROM
-        local = datetime.datetime.now().astimezone()
+        # the local zone's offset at the first event (not now: the stream may predate a DST
+        # change)
+        local = datetime.datetime.fromtimestamp(t0 if self.wall else 0,  # type: ignore[arg-type]
+                                                datetime.timezone.utc).astimezone()
         self.tz = local.tzinfo
         self.tz_name = local.tzname() or "local time"
 
