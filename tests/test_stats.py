@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from importlib.util import find_spec
 
 import pytest
 
@@ -180,3 +182,81 @@ def test_stats_never_raise_on_odd_batches():
         json.dumps(sc.result())
 
     check()
+
+
+# --- charts (stats --plot): what a reader of the PNG sees ---------------------------------
+
+needs_matplotlib = pytest.mark.skipif(
+    find_spec("matplotlib") is None,
+    reason="matplotlib is not installed (the plot extra): pip install 'matplotlib>=3.7'")
+
+WALL = 1_796_000_000.0  # 2026-11-30, a wall-clock receive time
+
+
+def wall_clock_result() -> dict:
+    """Worker a on the wall clock: lifetimes of 0.3 s, 3 s and 30 s."""
+    sc = StatsCollector()
+    for seq, (t, events) in enumerate([
+            (0.0, [stored([1, 2, 3])]), (0.3, [removed([1])]), (3.0, [removed([2])]),
+            (30.0, [removed([3])])]):
+        sc.feed(mk("a", seq, WALL + t, events))
+    return sc.result()
+
+
+def tick_labels(fig, axis) -> list[str]:
+    fig.canvas.draw()
+    return [t.get_text() for t in axis.get_ticklabels() if t.get_text()]
+
+
+@needs_matplotlib
+def test_rates_chart_one_unit_per_axis_stored_and_removed_apart():
+    from kvctl.plots import rates_figure
+
+    fig = rates_figure(wall_clock_result())
+    blocks_ax, events_ax = fig.axes
+    assert (blocks_ax.get_ylabel(), events_ax.get_ylabel()) == ("blocks/s", "events/s")
+    stored_line, removed_line = blocks_ax.get_lines()
+    assert [t.get_text() for t in blocks_ax.get_legend().get_texts()] == ["stored", "removed"]
+    assert stored_line.get_color() != removed_line.get_color()
+    assert stored_line.get_linestyle() != removed_line.get_linestyle()
+
+
+@needs_matplotlib
+def test_charts_run_on_the_wall_clock():
+    from kvctl.plots import occupancy_figure, rates_figure
+
+    for fig in (rates_figure(wall_clock_result()), occupancy_figure(wall_clock_result())):
+        ax = fig.axes[-1]
+        assert ax.get_xlabel().startswith("time (")
+        labels = tick_labels(fig, ax.xaxis)
+        assert labels and all(re.fullmatch(r"\d\d:\d\d(:\d\d)?", t) for t in labels), labels
+
+
+@needs_matplotlib
+def test_charts_of_an_engine_clock_count_seconds(result):
+    # the hand-made stream's clock starts at 100 s: no wall clock to show
+    from kvctl.plots import rates_figure
+
+    assert rates_figure(result).axes[-1].get_xlabel() == "time since the first event (s)"
+
+
+@needs_matplotlib
+def test_occupancy_capacity_line_only_when_known():
+    from kvctl.plots import occupancy_figure
+
+    (ax,) = occupancy_figure(wall_clock_result(), capacity=8).axes
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["a[dp0]", "capacity (8 blocks per worker)"]
+    assert ax.get_ylim()[1] >= 8
+    (ax,) = occupancy_figure(wall_clock_result()).axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a[dp0]"]
+
+
+@needs_matplotlib
+def test_lifetimes_in_seconds_on_a_log_axis():
+    from kvctl.plots import lifetimes_figure
+
+    fig = lifetimes_figure(wall_clock_result())
+    (ax,) = fig.axes
+    assert ax.get_xscale() == "log" and ax.get_xlabel() == "lifetime (s)"
+    assert {"0.1", "1", "10"} <= set(tick_labels(fig, ax.xaxis))

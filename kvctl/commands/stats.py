@@ -147,7 +147,10 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
               help="Resolution of rates and occupancy over time (doubles on long streams).")
 @click.option("--plot", "plot_dir", metavar="DIR", type=click.Path(file_okay=False),
               help="Also write occupancy.png, rates.png and lifetimes.png into DIR "
-                   "(needs matplotlib: pip install 'kvctl[plot]').")
+                   "(needs matplotlib: pip install 'matplotlib>=3.7').")
+@click.option("--num-blocks", type=click.IntRange(min=1), metavar="N",
+              help="KV-cache capacity per worker in blocks, if known: drawn as the capacity "
+                   "line of occupancy.png.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or summary on stderr.")
 def command(**params: Any) -> None:
@@ -160,13 +163,16 @@ def command(**params: Any) -> None:
     breakdown, and sequence gaps per publisher. Ctrl-C ends a live read: the statistics are
     printed and the exit status is 130.
 
-    --plot DIR writes PNG charts: occupancy per worker over time, event rates, lifetime
-    histogram. Without matplotlib installed it fails at once with exit status 1.
+    --plot DIR writes PNG charts on the wall clock: occupancy per worker (with the capacity
+    line given --num-blocks), blocks stored and removed per second and events per second,
+    and the block lifetime histogram. Without matplotlib installed it fails at once with
+    exit status 1.
 
     \b
     Example:
       kvctl stats tcp://127.0.0.1:5557 --duration 60
       kvctl stats 0=tcp://10.0.0.1:5557 1=tcp://10.0.0.2:5557 --duration 300 --plot charts/
+      kvctl stats run.parquet --num-blocks 4096 --plot charts/
       kvctl stats nats://127.0.0.1:4222 -c 100000 --json | jq .reuse
     """
     from rich.console import Console
@@ -201,7 +207,7 @@ def command(**params: Any) -> None:
     if params["plot_dir"]:
         from ..plots import write_plots
 
-        written = write_plots(result, params["plot_dir"])
+        written = write_plots(result, params["plot_dir"], capacity=params["num_blocks"])
         if not quiet:
             err.print(f"[dim]kvctl: wrote {', '.join(str(p) for p in written)}[/]")
     if interrupted:

@@ -661,9 +661,19 @@ def _to_pylist(column: pa.Array | pa.ChunkedArray) -> list[Any]:
     if pa.types.is_dictionary(column.type):
         # decode the (small) dictionary once, then index: pyarrow's to_pylist costs ~1 µs/row
         values = [*column.dictionary.to_pylist(), None]
-        indices = pc.fill_null(column.indices, -1).to_numpy().tolist()
+        indices = _int_list(pc.fill_null(column.indices, -1))
         return [values[i] for i in indices]
     return column.to_pylist()
+
+
+def _int_list(ints: pa.Array) -> list[int]:
+    """A null-free signed integer array as Python ints, read straight from its data buffer:
+    faster than ``to_pylist`` and, unlike ``to_numpy``, without numpy (not a dependency)."""
+    if len(ints) == 0:
+        return []
+    width = ints.type.bit_width // 8
+    data = ints.buffers()[1].slice(ints.offset * width, len(ints) * width)
+    return memoryview(data).cast({1: "b", 2: "h", 4: "i", 8: "q"}[width]).tolist()
 
 
 def rows_to_batches(cols: dict[str, list[Any]], start: int, stop: int,
