@@ -35,6 +35,12 @@ def _parse(value: str | None, units: dict[str, float], what: str) -> float | Non
               help="Start a new segment after about SIZE bytes of Parquet (e.g. 512M, 2G).")
 @click.option("--rotate-every", metavar="INTERVAL",
               help="Start a new segment on every clock boundary of INTERVAL (e.g. 60, 5m, 1h).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing recording file at -o (atomically, when the new one "
+                   "is complete). Without it an existing file is refused.")
+@click.option("--append", is_flag=True,
+              help="With rotation: add segments to the recording already in the -o directory "
+                   "(numbered after its last). Without it the directory must be new or empty.")
 @click.option("--fsync", is_flag=True, help="fsync the journal at every flush (slower; survives "
                                             "power loss, not only a killed process).")
 @filter_options
@@ -56,24 +62,44 @@ def command(**params: Any) -> None:
       kvctl record nats://127.0.0.1:4222 --from-start -o dynamo.parquet --idle-timeout 30
       duckdb -c "SELECT type, count(*) FROM 'run.parquet' GROUP BY 1"
     """
-    from ..errors import TransportError
+    from ..errors import TransportError, UsageError
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import LiveSource, Summary, run
     from ..session import Interrupted, make_filters, make_limits, open_source
-    from ..transports.files import RecordingWriter
+    from ..transports.files import (
+        OutputExists,
+        RecordingWriter,
+        leftover_journals,
+        output_conflict,
+    )
 
     rotate_size = _parse(params["rotate_size"], _SIZE_UNITS, "size (e.g. 512M)")
     rotate_every = _parse(params["rotate_every"], _TIME_UNITS, "time interval (e.g. 5m)")
+    segmented = rotate_size is not None or rotate_every is not None
+    if params["append"] and not segmented:
+        raise UsageError("--append adds segments to a rotation directory: give --rotate-size "
+                         "or --rotate-every (a Parquet file cannot be appended to)")
+    if params["overwrite"] and segmented:
+        raise UsageError("--overwrite replaces one recording file; with rotation give a new "
+                         "directory, or --append")
+    conflict = output_conflict(params["output"], segmented, params["overwrite"],
+                               params["append"])
+    if conflict is not None:  # before any source is opened: nothing of the user's is touched
+        raise UsageError(conflict)
+    _check_writable(params["output"])
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
     source = open_source(params["sources"], **connection_kwargs(params))
     filters = make_filters(params)
-    _check_writable(params["output"])
     try:
         writer = RecordingWriter(
             params["output"], rotate_size=int(rotate_size) if rotate_size else None,
             rotate_every=rotate_every, fsync=params["fsync"], filters=filters,
-            labels=_labels(params["sources"]),
+            labels=_labels(params["sources"]), overwrite=params["overwrite"],
+            append=params["append"],
             metadata={"sources": list(params["sources"]), "command": sys.argv[1:]})
+    except OutputExists as exc:  # appeared since the check above
+        source.close()
+        raise UsageError(str(exc)) from None
     except OSError as exc:
         source.close()
         raise TransportError(f"{params['output']}: cannot write: {exc.strerror or exc}") from None
@@ -103,8 +129,7 @@ def command(**params: Any) -> None:
             result = writer.close()
         except OSError as exc:  # disk full, file system gone: what was flushed is recoverable
             hint = (f"; `kvctl recover {params['output']}` restores what was flushed"
-                    if os.path.exists(params["output"] + ".journal")
-                    or os.path.isdir(params["output"]) else "")
+                    if leftover_journals(params["output"]) else "")
             raise TransportError(f"{params['output']}: cannot write: "
                                  f"{exc.strerror or exc}{hint}") from None
     report = {"summary": summary.to_json(), "recording": result}

@@ -59,10 +59,13 @@ from .journal import (
     Chunk,
     Converter,
     JournalWriter,
+    NotAJournal,
+    OutputExists,
     RowBuffer,
     event_batches,
     exact_row,
     gap_row,
+    journal_header,
     journal_metadata,
     journal_to_parquet,
     message_fields,
@@ -74,7 +77,8 @@ from .journal import Counts as _Counts
 
 __all__ = ["RecordingWriter", "recover", "open_recording", "recording_info", "Gap",
            "MANIFEST_NAME", "JOURNAL_SUFFIX", "read_journal", "DEFAULT_ZSTD_LEVEL",
-           "ROW_GROUP_ROWS"]
+           "ROW_GROUP_ROWS", "NotAJournal", "OutputExists", "NotARecording",
+           "output_conflict", "leftover_journals"]
 
 JOURNAL_SUFFIX = ".journal"
 MANIFEST_NAME = "_manifest.json"
@@ -89,6 +93,61 @@ MAX_READY_CHUNKS = 16  # built chunks waiting for the I/O thread before the call
 
 def _journal_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     return journal_metadata(path)
+
+
+class NotARecording(ValueError):
+    """A file or directory that kvctl did not write (or not in a shape it can read)."""
+
+
+def _journal_of(path: Path) -> Path:
+    return path.with_name(path.name + JOURNAL_SUFFIX)
+
+
+def leftover_journals(path: str | os.PathLike[str]) -> list[Path]:
+    """Journals a killed recorder left at ``path`` (a recording file or segment directory)."""
+    path = Path(path)
+    if path.is_dir():
+        return sorted(e for e in path.iterdir() if _SEGMENT_JOURNAL_RE.match(e.name))
+    journal = _journal_of(path)
+    return [journal] if journal.exists() else []
+
+
+def _is_kvctl_entry(name: str) -> bool:
+    return bool(_SEGMENT_RE.match(name) or _SEGMENT_JOURNAL_RE.match(name)
+                or name == MANIFEST_NAME or name.startswith((".part-", f".{MANIFEST_NAME}")))
+
+
+def output_conflict(path: str | os.PathLike[str], segmented: bool, overwrite: bool = False,
+                    append: bool = False) -> str | None:
+    """Why recording to ``path`` would destroy or mix in data this run did not write, with
+    the remedy; None when it is safe. A recording file is replaced only with ``overwrite``;
+    a segment directory must be new or empty, or, with ``append``, hold a kvctl recording
+    (new segments are numbered after its last). An unconverted journal is never touched."""
+    path = Path(path)
+    journals = leftover_journals(path) if path.exists() or _journal_of(path).exists() else []
+    if journals:
+        return (f"{journals[0]} is the journal of a recording that was never converted; run "
+                f"`kvctl recover {path}` first (or move it away)")
+    if not segmented:
+        if path.is_dir():
+            return (f"{path} is a directory; give a file path (run.parquet), or write "
+                    "segments into a directory with --rotate-size/--rotate-every")
+        if path.exists() and not overwrite:
+            return f"{path} exists; give a new path, or --overwrite to replace it"
+        return None
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return f"{path} is a file; rotation writes a directory of segments"
+    names = [e.name for e in path.iterdir()]
+    if not names:
+        return None
+    if not append:
+        return (f"{path} is not empty; give a new or empty directory, or --append to add "
+                "segments to the recording in it")
+    if not any(_is_kvctl_entry(n) for n in names):
+        return f"{path} holds no kvctl recording; --append adds segments to one"
+    return None
 
 
 # --- the writer ---------------------------------------------------------------------------------
@@ -129,6 +188,8 @@ class RecordingWriter:
         filters: Any = None,
         labels: dict[str, tuple[Any, Any]] | None = None,
         converter: bool = True,
+        overwrite: bool = False,
+        append: bool = False,
     ) -> None:
         """``metadata`` (JSON-able: sources, command line, ...) lands in every file's footer,
         the journal header and the manifest. ``rotate_size`` is in bytes of Parquet
@@ -140,7 +201,11 @@ class RecordingWriter:
         batches given to :meth:`write_message`; the conversion applies it again.
         ``labels``: source address -> (worker label, dp rank label) as the decoder got them
         (``SourceSpec``); then :meth:`write_message` journals no per-message labels.
-        ``converter=False``: no converter process; journals are converted at close."""
+        ``converter=False``: no converter process; journals are converted at close.
+        ``overwrite``: replace an existing recording file (at the end, atomically);
+        ``append``: add segments to the recording in an existing segment directory. Without
+        them, an output holding data raises :class:`OutputExists` (see
+        :func:`output_conflict`)."""
         if rotate_size is not None and rotate_size <= 0:
             raise ValueError("rotate_size must be positive")
         if rotate_every is not None and rotate_every <= 0:
@@ -149,6 +214,10 @@ class RecordingWriter:
         self.rotate_size = rotate_size
         self.rotate_every = rotate_every
         self.segmented = rotate_size is not None or rotate_every is not None
+        conflict = output_conflict(self.path, self.segmented, overwrite, append)
+        if conflict is not None:
+            raise OutputExists(conflict)
+        self.overwrite = overwrite and not self.segmented
         self.metadata = dict(metadata or {})
         self.flush_interval = flush_interval
         self.flush_rows = flush_rows
@@ -184,6 +253,8 @@ class RecordingWriter:
 
         if self.segmented:
             self.path.mkdir(parents=True, exist_ok=True)
+            if append:
+                self._continue_segments()
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._boundary = self._next_boundary(time.time()) if rotate_every else None
@@ -366,6 +437,20 @@ class RecordingWriter:
 
     # -- internals -------------------------------------------------------------------------------
 
+    def _continue_segments(self) -> None:
+        """--append: keep the directory's segments in the manifest; number new segments and
+        batches after them (readers take the directory in segment order)."""
+        for entry in _segment_files(self.path):
+            meta = _file_metadata(entry)
+            meta["file"] = entry.name
+            meta["bytes"] = entry.stat().st_size
+            meta["segment"] = int(_SEGMENT_RE.match(entry.name).group(1))
+            self._segments.append(meta)
+            self._segment = meta["segment"] + 1
+            last = (meta.get("counts") or {}).get("last_batch_index")
+            if isinstance(last, int):
+                self._next_index = max(self._next_index, last + 1)
+
     def _next_boundary(self, now: float) -> float:
         every = self.rotate_every
         assert every is not None
@@ -446,7 +531,8 @@ class RecordingWriter:
         self._open.append(_Segment(self._journal, target))
         if self._converter is not None:
             self._converter.send({"op": "open", "journal": str(path), "target": str(target),
-                                  "offset": self._journal.offset})
+                                  "offset": self._journal.offset,
+                                  "overwrite": self.overwrite})
         return self._journal
 
     def _seal(self, end_ns: int) -> None:
@@ -496,7 +582,7 @@ class RecordingWriter:
         for seg in self._open:  # start over from the journals: they are the truth
             j = seg.journal
             new.send({"op": "open", "journal": str(j.path), "target": str(seg.target),
-                      "offset": j.offset})
+                      "offset": j.offset, "overwrite": self.overwrite})
             if seg.sealed_info is not None:
                 new.send({"op": "seal", "journal": str(j.path), "offset": j.offset,
                           "info": seg.sealed_info})
@@ -554,7 +640,8 @@ class RecordingWriter:
             meta = _file_metadata(seg.target)  # converted; the converter died before telling
             meta["bytes"] = seg.target.stat().st_size
         else:
-            meta = journal_to_parquet(path, seg.target, info, self.compression_level)
+            meta = journal_to_parquet(path, seg.target, info, self.compression_level,
+                                      self.overwrite)
             self.converter_info["inline_conversions"] += 1
         self._done(str(path), meta, seg.journal.bytes)
 
@@ -593,44 +680,80 @@ def _write_manifest(directory: Path, segments: list[dict[str, Any]], metadata: d
 # --- recover ------------------------------------------------------------------------------------
 
 
-def recover(journal_path: str | os.PathLike[str]) -> Path:
+def recover(journal_path: str | os.PathLike[str],
+            output: str | os.PathLike[str] | None = None) -> Path:
     """Turn what a crashed recorder left into Parquet; returns the recording's path.
 
     Accepts a journal (``run.parquet.journal``), the recording path whose journal exists
     (``run.parquet``), or a segment directory (every leftover segment journal is converted
     and the manifest rebuilt). Every complete record batch in the journal is kept.
+
+    Nothing that this call did not write is replaced or removed: a file that is not a kvctl
+    journal raises :class:`NotAJournal`; an existing output that is not this journal's
+    conversion raises :class:`OutputExists` (recover to ``output`` instead); the journal is
+    removed only once a complete output holding all of it is in place.
     """
     path = Path(journal_path)
     if path.is_dir():
+        if output is not None:
+            raise NotARecording(f"{path}: a segment directory is recovered in place (no -o)")
         return _recover_directory(path)
     if not path.name.endswith(JOURNAL_SUFFIX):
-        candidate = path.with_name(path.name + JOURNAL_SUFFIX)
+        candidate = _journal_of(path)
         if not candidate.exists():
             raise FileNotFoundError(f"no journal to recover at {candidate}")
         path = candidate
-    if _SEGMENT_JOURNAL_RE.match(path.name):
+    if _SEGMENT_JOURNAL_RE.match(path.name) and output is None:
         return _recover_directory(path.parent)
-    target = path.with_name(path.name[: -len(JOURNAL_SUFFIX)])
-    _recover_one(path, target)
+    target = Path(output) if output is not None else \
+        path.with_name(path.name[: -len(JOURNAL_SUFFIX)])
+    _recover_one(path, target, explicit=output is not None)
     return target
 
 
-def _recover_one(journal: Path, target: Path) -> dict[str, Any]:
-    info = _journal_metadata(journal)
+def _recover_one(journal: Path, target: Path, explicit: bool = False) -> dict[str, Any]:
+    info = journal_header(journal)
     remove_stale_temps(target)
     if target.exists():
-        # A crash between the rename and the unlink: the Parquet file is already complete.
-        journal.unlink()
-        return _file_metadata(target)
+        if not explicit and _converted_from(target, journal, info):
+            # A crash between the rename and the unlink: the Parquet file is already complete.
+            journal.unlink()
+            return _file_metadata(target)
+        hint = "" if explicit else " with -o NEW.parquet"
+        raise OutputExists(f"{target} exists and is not this journal's recording; recover "
+                           f"to a new path{hint} ({journal} is kept)")
     info.update(recovered=True, recovered_ns=time.time_ns())
-    return journal_to_parquet(journal, target, info)
+    return journal_to_parquet(journal, target, info, overwrite=False)
+
+
+def _converted_from(target: Path, journal: Path, info: dict[str, Any]) -> bool:
+    """``target`` is the complete conversion of ``journal``: the same recorder segment (start
+    and open times) and at least as many batches and gaps as the journal holds."""
+    try:
+        meta = _file_metadata(target)
+    except (OSError, ValueError):
+        return False
+    if not meta or (meta.get("start_ns"), meta.get("opened_ns")) != (
+            info.get("start_ns"), info.get("opened_ns")):
+        return False
+    counts = meta.get("counts") or {}
+    journalled = sum(rb.num_rows for rb in read_journal(journal))
+    return int(counts.get("batches", 0)) + int(counts.get("gaps", 0)) >= journalled
 
 
 def _recover_directory(directory: Path) -> Path:
+    names = [e.name for e in directory.iterdir()]
+    if not any(_is_kvctl_entry(n) for n in names):
+        raise NotARecording(f"{directory}: no kvctl recording here (no segments, journals or "
+                            "manifest); nothing changed")
+    refused: list[str] = []
     for entry in sorted(directory.iterdir()):
         m = _SEGMENT_JOURNAL_RE.match(entry.name)
         if m:
-            _recover_one(entry, directory / entry.name[1: -len(JOURNAL_SUFFIX)])
+            try:
+                _recover_one(entry, directory / entry.name[1: -len(JOURNAL_SUFFIX)])
+            except (NotAJournal, OutputExists) as exc:
+                refused.append(str(exc))
     for entry in list(directory.glob(".part-*.tmp")):
         remove_stale_temps(directory / (entry.name[1:].split(".parquet.")[0] + ".parquet"))
     segments = []
@@ -647,7 +770,10 @@ def _recover_directory(directory: Path) -> Path:
         old = json.loads((directory / MANIFEST_NAME).read_text())
     extra = {k: old.get(k) for k in ("start_ns", "rotate_size", "rotate_every")}
     extra.update(end_ns=None, recovered=True)
-    _write_manifest(directory, segments, old.get("metadata", metadata), True, extra)
+    _write_manifest(directory, segments, old.get("metadata", metadata), not refused, extra)
+    if refused:
+        raise OutputExists(refused[0] + (f" (and {len(refused) - 1} more)"
+                                         if len(refused) > 1 else ""))
     return directory
 
 

@@ -336,6 +336,32 @@ def journal_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     return json.loads(raw) if raw else {}
 
 
+class NotAJournal(ValueError):
+    """A file that is not a kvctl journal: refused, never converted or removed."""
+
+
+def journal_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The header of a kvctl journal, or :class:`NotAJournal` (the file is left as it is).
+
+    A kvctl journal is an Arrow IPC stream whose schema carries the ``kvctl`` metadata key
+    (kvctl version, journal format) and the journal's columns (format 2) or the recording
+    schema's (format 1)."""
+    schema = journal_schema(path)
+    if schema is None:
+        raise NotAJournal(f"{path}: not a kvctl journal (not an Arrow IPC stream); left "
+                          "untouched")
+    raw = (schema.metadata or {}).get(METADATA_KEY.encode())
+    try:
+        info = json.loads(raw) if raw else None
+    except ValueError:
+        info = None
+    if type(info) is not dict or "journal_format" not in info and "kvctl_version" not in info:
+        raise NotAJournal(f"{path}: not a kvctl journal (no kvctl header); left untouched")
+    if schema.names not in (JOURNAL_SCHEMA.names, SCHEMA.names):
+        raise NotAJournal(f"{path}: not a kvctl journal (unexpected columns); left untouched")
+    return info
+
+
 class Decoder:
     """Journal record batches -> record batches of the Parquet schema, in order.
 
@@ -522,6 +548,30 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class OutputExists(FileExistsError):
+    """The output path holds a file this run did not write."""
+
+
+def publish(tmp: Path, target: Path, overwrite: bool) -> None:
+    """Move a complete ``tmp`` to ``target`` atomically. Without ``overwrite`` an existing
+    target is never replaced: a hard link fails if the name is taken (no check-then-rename
+    race); file systems without hard links fall back to a checked rename."""
+    if overwrite:
+        os.replace(tmp, target)
+        return
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise OutputExists(f"{target} exists (written by someone else); not replaced") from None
+    except OSError:
+        if target.exists():
+            raise OutputExists(f"{target} exists (written by someone else); not replaced") \
+                from None
+        os.rename(tmp, target)
+        return
+    tmp.unlink()
+
+
 _JOURNAL_ONLY = ("journal_format", "first_batch_index", "raw_frames")
 
 
@@ -551,7 +601,11 @@ class ParquetOutput:
             self.writer.write_table(pa.Table.from_batches(self.pending, SCHEMA))
             self.pending, self.pending_rows = [], 0
 
-    def finish(self, info: dict[str, Any], journal: Path | None) -> dict[str, Any]:
+    def finish(self, info: dict[str, Any], journal: Path | None,
+               overwrite: bool = False) -> dict[str, Any]:
+        """Complete the file and move it into place; only then remove ``journal``. An
+        existing target is replaced only with ``overwrite`` (else :class:`OutputExists`,
+        and the journal stays)."""
         try:
             self._write()
             meta = {k: v for k, v in info.items() if k not in _JOURNAL_ONLY}
@@ -564,7 +618,11 @@ class ParquetOutput:
         except BaseException:
             self.abort()
             raise
-        os.replace(self.tmp, self.target)
+        try:
+            publish(self.tmp, self.target, overwrite)
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(self.target.parent)
         if journal is not None:
             journal.unlink(missing_ok=True)
@@ -578,7 +636,8 @@ class ParquetOutput:
 
 
 def journal_to_parquet(journal: Path, target: Path, info: dict[str, Any],
-                       compression_level: int = DEFAULT_ZSTD_LEVEL) -> dict[str, Any]:
+                       compression_level: int = DEFAULT_ZSTD_LEVEL,
+                       overwrite: bool = False) -> dict[str, Any]:
     """Convert a whole (possibly torn) journal in this process; returns the file's metadata
     (with counts, and ``mismatches`` if a re-decoded message disagreed with the journal)."""
     decoder = Decoder(journal_metadata(journal) or info)
@@ -591,7 +650,7 @@ def journal_to_parquet(journal: Path, target: Path, info: dict[str, Any],
         raise
     if decoder.mismatches:
         info = {**info, "mismatches": decoder.mismatches}
-    return out.finish(info, journal)
+    return out.finish(info, journal, overwrite)
 
 
 # --- the converter process ----------------------------------------------------------------------
@@ -602,6 +661,7 @@ class _Task:
         self.journal = Path(msg["journal"])
         self.target = Path(msg["target"])
         self.committed = int(msg.get("offset", 0))
+        self.overwrite = bool(msg.get("overwrite", False))
         self.sealed: dict[str, Any] | None = None
         self.level = level
         self.file: Any = None
@@ -643,7 +703,7 @@ class _Task:
         info = dict(self.sealed)
         if self.decoder.mismatches:
             info["mismatches"] = self.decoder.mismatches
-        return self.out.finish(info, self.journal)
+        return self.out.finish(info, self.journal, self.overwrite)
 
     def abort(self) -> None:
         if self.file is not None:
@@ -708,8 +768,13 @@ def main() -> int:
             if task.step():
                 _emit({"op": "progress", "journal": str(task.journal), "pos": task.pos})
             elif task.sealed is not None:
-                meta = task.finish()
                 tasks.pop(0)
+                try:
+                    meta = task.finish()
+                except Exception as exc:  # e.g. the target appeared: the journal stays
+                    task.abort()
+                    _emit({"op": "failed", "journal": str(task.journal), "error": str(exc)})
+                    continue
                 _emit({"op": "done", "journal": str(task.journal), "meta": meta,
                        "journal_bytes": task.committed})
         elif exiting:

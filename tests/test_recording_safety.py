@@ -1,0 +1,192 @@
+"""Recordings never lose or leak what the user had: recover and record refuse to replace,
+delete or mix data they did not write in this run (issue 10)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from kvctl.formats import decode_zmq
+from kvctl.formats import engine_zmq as ez
+from kvctl.transports.files import RecordingWriter, open_recording
+
+
+def kvctl(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """Run the command line in-process, as a user types it: (exit code, stdout, stderr)."""
+    from kvctl.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return int(exited.value.code or 0), out, err
+
+
+def engine_batches(first: int, count: int, recv_ns: int = 1_000) -> list:
+    out = []
+    for seq in range(first, first + count):
+        payload = ez.encode_payload([{"type": "BlockRemoved", "block_hashes": [seq]}],
+                                    1.5, 0, "vllm")
+        out.append(decode_zmq(ez.encode_frames(b"", seq, payload), "tcp://127.0.0.1:1",
+                              recv_ns=recv_ns + seq))
+    return out
+
+
+def write_recording(path: Path, first: int, count: int, **kw) -> None:
+    w = RecordingWriter(path, background=False, converter=False, **kw)
+    for b in engine_batches(first, count):
+        w.write_message(b)
+    w.close()
+
+
+def leave_journal(path: Path, first: int, count: int) -> Path:
+    """What a recorder killed with -9 leaves: ``path.journal`` with ``count`` flushed batches
+    (written elsewhere and moved, so that ``path`` may already exist)."""
+    work = Path(tempfile.mkdtemp(prefix="killed-", dir=path.parent.parent))
+    w = RecordingWriter(work / path.name, background=False, converter=False)
+    for b in engine_batches(first, count):
+        w.write_message(b)
+    w.flush()  # never closed: the process "died" here
+    journal = path.with_name(path.name + ".journal")
+    shutil.copyfile(work / journal.name, journal)
+    return journal
+
+
+def seqs(path: Path) -> list[int]:
+    return [b.seq for b in open_recording(path)]
+
+
+def listing(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_recover_never_replaces_an_existing_recording(tmp_path, capsys):
+    path = tmp_path / "x.parquet"
+    journal = leave_journal(path, 100, 7)  # the new run, killed
+    write_recording(tmp_path / "old" / "x.parquet", 0, 3)
+    shutil.copyfile(tmp_path / "old" / "x.parquet", path)  # an earlier run of the same name
+    before = listing(tmp_path)
+
+    code, out, err = kvctl(capsys, "recover", path)
+    assert code == 1, err
+    assert err.count("\n") == 1 and "-o" in err and "Traceback" not in err
+    assert listing(tmp_path) == before  # old file intact, journal kept, no temp files
+    assert seqs(path) == [0, 1, 2]
+
+    code, out, err = kvctl(capsys, "recover", path, "-o", tmp_path / "y.parquet")
+    assert code == 0, err
+    assert seqs(tmp_path / "y.parquet") == list(range(100, 107))
+    assert not journal.exists() and seqs(path) == [0, 1, 2]
+    # -o never replaces either
+    journal = leave_journal(path, 200, 2)
+    code, _, err = kvctl(capsys, "recover", journal, "-o", tmp_path / "y.parquet")
+    assert code == 1 and journal.exists(), err
+    assert seqs(tmp_path / "y.parquet") == list(range(100, 107))
+
+
+def test_recover_finishes_a_conversion_interrupted_before_the_journal_was_removed(
+        tmp_path, capsys):
+    path = tmp_path / "x.parquet"
+    journal = leave_journal(path, 0, 5)
+    saved = journal.read_bytes()
+    assert kvctl(capsys, "recover", path)[0] == 0
+    journal.write_bytes(saved)  # the crash came between the rename and the unlink
+    code, _, err = kvctl(capsys, "recover", path)
+    assert code == 0, err
+    assert not journal.exists() and seqs(path) == list(range(5))
+
+
+@pytest.mark.parametrize("content", ["text", "arrow"])
+def test_recover_refuses_what_is_not_a_kvctl_journal(tmp_path, capsys, content):
+    foreign = tmp_path / "notes.journal"
+    if content == "text":
+        foreign.write_text("my notes, not a journal\n")
+    else:  # a valid Arrow IPC stream another tool wrote
+        table = pa.table({"a": [1, 2, 3]})
+        with pa.OSFile(str(foreign), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+    before = listing(tmp_path)
+    for arg in (foreign, tmp_path / "notes"):
+        code, _, err = kvctl(capsys, "recover", arg)
+        assert code == 1 and "not a kvctl journal" in err, err
+        assert err.count("\n") == 1 and listing(tmp_path) == before
+
+
+def test_recover_of_a_directory_without_a_recording_writes_nothing(tmp_path, capsys):
+    (tmp_path / "thesis.tex").write_text("precious")
+    (tmp_path / "data.parquet").write_bytes(b"PAR1")
+    before = listing(tmp_path)
+    code, _, err = kvctl(capsys, "recover", tmp_path)
+    assert code == 1 and "no kvctl recording" in err, err
+    assert listing(tmp_path) == before
+
+
+def test_record_refuses_an_existing_file_unless_overwrite(tmp_path, capsys):
+    source = tmp_path / "in.parquet"
+    write_recording(source, 0, 4)
+    out = tmp_path / "out.parquet"
+    out.write_text("someone's file")
+    code, _, err = kvctl(capsys, "record", source, "-o", out, "-q")
+    assert code == 2 and "--overwrite" in err and err.count("\n") == 1, err
+    assert out.read_text() == "someone's file"
+    code, _, err = kvctl(capsys, "record", source, "-o", out, "-q", "--overwrite")
+    assert code == 0, err
+    assert seqs(out) == [0, 1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet", "out.parquet"]
+
+
+def test_record_never_truncates_an_unconverted_journal(tmp_path, capsys):
+    source = tmp_path / "in.parquet"
+    write_recording(source, 0, 4)
+    out = tmp_path / "out.parquet"
+    journal = leave_journal(out, 50, 3)
+    saved = journal.read_bytes()
+    for extra in ([], ["--overwrite"]):
+        code, _, err = kvctl(capsys, "record", source, "-o", out, "-q", *extra)
+        assert code == 2 and "kvctl recover" in err, err
+        assert journal.read_bytes() == saved and not out.exists()
+
+
+def test_record_refuses_a_directory_without_rotation(tmp_path, capsys):
+    source = tmp_path / "in.parquet"
+    write_recording(source, 0, 2)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("keep")
+    code, _, err = kvctl(capsys, "record", source, "-o", home, "-q")
+    assert code == 2 and "is a directory" in err, err
+    assert listing(home) == {"notes.txt": b"keep"}
+
+
+def test_rotation_directory_of_another_run_needs_append(tmp_path, capsys):
+    source = tmp_path / "in.parquet"
+    write_recording(source, 0, 3)
+    later = tmp_path / "later.parquet"
+    write_recording(later, 10, 2)
+    run = tmp_path / "run"
+    assert kvctl(capsys, "record", source, "-o", run, "--rotate-size", "1G", "-q")[0] == 0
+    before = listing(run)
+    code, _, err = kvctl(capsys, "record", later, "-o", run, "--rotate-size", "1G", "-q")
+    assert code == 2 and "--append" in err, err
+    assert listing(run) == before
+    code, _, err = kvctl(capsys, "record", later, "-o", run, "--rotate-size", "1G", "-q",
+                         "--append")
+    assert code == 0, err
+    assert seqs(run) == [0, 1, 2, 10, 11]
+    import json
+    manifest = json.loads((run / "_manifest.json").read_text())
+    assert [s["file"] for s in manifest["segments"]] == ["part-00000.parquet",
+                                                         "part-00001.parquet"]
+    assert manifest["counts"]["batches"] == 5
+    # --append needs rotation; a directory of other files is not a recording to append to
+    assert kvctl(capsys, "record", later, "-o", tmp_path / "f.parquet", "--append")[0] == 2
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x.txt").write_text("x")
+    code, _, err = kvctl(capsys, "record", later, "-o", other, "--rotate-size", "1G",
+                         "--append", "-q")
+    assert code == 2 and listing(other) == {"x.txt": b"x"}, err
