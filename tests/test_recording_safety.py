@@ -190,3 +190,69 @@ def test_rotation_directory_of_another_run_needs_append(tmp_path, capsys):
     code, _, err = kvctl(capsys, "record", later, "-o", other, "--rotate-size", "1G",
                          "--append", "-q")
     assert code == 2 and listing(other) == {"x.txt": b"x"}, err
+
+
+# --- foreign and damaged files (issue 10, item 8) -----------------------------------------------
+
+
+def reading_commands(path: Path) -> list[list]:
+    from conftest import free_port
+
+    return [["cat", path], ["cat", path, "--json"], ["inspect", path], ["inspect", path, "--json"],
+            ["check", path], ["stats", path], ["tap", path],
+            ["replay", path, "--to", f"tcp://127.0.0.1:{free_port()}", "--topspeed"]]
+
+
+def assert_refused(capsys, path: Path, expected: str) -> None:
+    for args in reading_commands(path):
+        code, out, err = kvctl(capsys, *args)
+        assert code == 1, (args, code, out, err)
+        # one line says why (commands may announce what they read first), no traceback
+        assert sum(expected in line for line in err.splitlines()) == 1, (args, err)
+        assert "Traceback" not in err and "events" not in out, (args, err)
+
+
+def test_a_parquet_file_kvctl_did_not_write_is_refused(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    foreign = tmp_path / "sales.parquet"
+    pq.write_table(pa.table({"region": ["eu", "us"], "amount": [3, 4]}), foreign)
+    assert_refused(capsys, foreign, "not a kvctl recording (no kvctl metadata)")
+    # the same file among the segments of a recording directory
+    run = tmp_path / "run"
+    assert kvctl(capsys, "record", _tiny(tmp_path), "-o", run, "--rotate-size", "1G",
+                 "-q")[0] == 0
+    shutil.copyfile(foreign, run / "part-00007.parquet")
+    assert_refused(capsys, run, "part-00007.parquet: not a kvctl recording")
+
+
+def _tiny(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.parquet"
+    if not path.exists():
+        write_recording(path, 0, 3)
+    return path
+
+
+def test_a_column_of_the_wrong_type_is_named(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    good = _tiny(tmp_path)
+    table = pq.read_table(good)
+    bad = tmp_path / "bad.parquet"
+    index = table.schema.get_field_index("seq")
+    table = table.set_column(index, "seq", table.column("seq").cast(pa.string()))
+    with pq.ParquetWriter(bad, table.schema) as writer:  # kvctl's footer, one column retyped
+        writer.write_table(table)
+        writer.add_key_value_metadata(
+            {"kvctl": pq.ParquetFile(good).metadata.metadata[b"kvctl"].decode()})
+    assert_refused(capsys, bad, "column seq has type string, expected uint64")
+
+
+def test_a_damaged_recording_is_one_line(tmp_path, capsys):
+    good = _tiny(tmp_path)
+    bad = tmp_path / "torn.parquet"
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    for args in reading_commands(bad):
+        code, out, err = kvctl(capsys, *args)
+        assert code == 1 and "Traceback" not in err, (args, err)
+        assert sum("cannot read recording" in line for line in err.splitlines()) == 1, err

@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 from .. import __version__
 from ..events import Batch
 from ..formats.parquet import (
+    SCHEMA,
     SCHEMA_VERSION,
     Gap,
     columns_to_pylists,
@@ -787,7 +788,65 @@ def _segment_files(directory: Path) -> list[Path]:
 
 
 def _sources(path: Path) -> list[tuple[str, Path]]:
-    """(kind, path) of everything that holds rows, in recorded order."""
+    """(kind, path) of everything that holds rows, in recorded order; each one checked to be
+    a kvctl recording or journal whose columns have the schema's types (else
+    :class:`NotARecording`: one clear line rather than a traceback or "0 events")."""
+    found = _find_sources(path)
+    for kind, p in found:
+        label = "" if p == path else f"{p.name}: "
+        if kind == "parquet":
+            _check_parquet(p, label)
+        else:
+            try:
+                journal_header(p)
+            except NotAJournal:
+                raise NotARecording(f"{label}not a kvctl recording (not a kvctl journal)") \
+                    from None
+    return found
+
+
+def _type_fits(actual: pa.DataType, expected: pa.DataType) -> bool:
+    """``actual`` reads back as ``expected`` (dictionary or plain strings, list field names
+    and 32/64-bit offsets aside)."""
+    if actual.equals(expected):
+        return True
+    if pa.types.is_dictionary(expected):
+        value = actual.value_type if pa.types.is_dictionary(actual) else actual
+        return pa.types.is_string(value) or pa.types.is_large_string(value)
+    if pa.types.is_list(expected) or pa.types.is_large_list(expected):
+        return (pa.types.is_list(actual) or pa.types.is_large_list(actual)) and \
+            _type_fits(actual.value_type, expected.value_type)
+    if pa.types.is_binary(expected):
+        return pa.types.is_large_binary(actual)
+    if pa.types.is_string(expected):
+        return pa.types.is_large_string(actual)
+    return False
+
+
+def _check_parquet(p: Path, label: str) -> None:
+    pf = pq.ParquetFile(p)
+    raw = (pf.metadata.metadata or {}).get(METADATA_KEY.encode())
+    if raw is None:
+        raise NotARecording(f"{label}not a kvctl recording (no kvctl metadata)")
+    try:
+        version = json.loads(raw).get("schema_version")
+    except (ValueError, AttributeError):
+        raise NotARecording(f"{label}damaged kvctl metadata (not a JSON object)") from None
+    if type(version) is not int or version > SCHEMA_VERSION:
+        raise NotARecording(f"{label}recording schema version {version!r}; this kvctl reads "
+                            f"version {SCHEMA_VERSION} (upgrade kvctl)")
+    schema = pf.schema_arrow
+    for name, expected in zip(SCHEMA.names, SCHEMA.types, strict=True):
+        index = schema.get_field_index(name)
+        if index < 0:
+            raise NotARecording(f"{label}column {name} is missing (a kvctl recording of "
+                                f"schema {SCHEMA_VERSION} has it)")
+        actual = schema.field(index).type
+        if not _type_fits(actual, expected):
+            raise NotARecording(f"{label}column {name} has type {actual}, expected {expected}")
+
+
+def _find_sources(path: Path) -> list[tuple[str, Path]]:
     if path.is_dir():
         items: list[tuple[int, str, Path]] = []
         for e in path.iterdir():
