@@ -116,7 +116,7 @@ def command(**params: Any) -> None:
         if filters.types or filters.workers:
             sink.filtering()
         run(source, sink, make_limits(params), filters, sink, summary=summary,
-            on_batch=sink.on_batch if filters.types or filters.workers else None)
+            on_batch=sink.on_batch if filters.types or filters.workers else sink.on_empty)
         sink.close()
     except KeyboardInterrupt:
         summary.stopped_by = "interrupt"
@@ -177,6 +177,7 @@ class RecordingSink:
         self.shown = shown
         self.raw = raw
         self.pending: Any = None
+        self.malformed_seqs: dict[Any, set[int]] = {}  # since the publisher's last gap
         self._record = writer.write_message if raw else self._record_exact
         if raw:
             self.write = writer.write_message  # type: ignore[method-assign]
@@ -197,12 +198,26 @@ class RecordingSink:
             self._record(self.pending, [])
         self.pending = batch if batch.error is None else None
 
+    def on_empty(self, batch: Any) -> None:
+        """Without filters: a batch without events (``[ts, [], 0]``, an empty Dynamo
+        envelope) is never written by the pipeline, yet it was received and its seq counted:
+        record it, so that reading back shows no gap where there was none."""
+        if not batch.events and batch.error is None:
+            self._record(batch, [])
+
     def filtering(self) -> RecordingSink:
         """Route writes through :meth:`write` so that :meth:`on_batch` sees them."""
         self.__dict__.pop("write", None)
         return self
 
     def malformed(self, batch: Any) -> None:
+        if type(batch.seq) is int:
+            seqs = self.malformed_seqs.setdefault(batch.publisher, set())
+            seqs.add(batch.seq)
+            if len(seqs) > 4096:  # a stream of nothing but malformed messages: stay bounded
+                keep = sorted(seqs)[-2048:]
+                seqs.clear()
+                seqs.update(keep)
         if self.raw:
             self.writer.write_message(batch)
         else:
@@ -212,8 +227,12 @@ class RecordingSink:
     def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None:
         """One Gap row per run of seqs the replay socket could not fill. A batch that arrives
         later still is recorded too (the reader then sees it as a late arrival)."""
+        arrived = {s for s in recovered if expected <= s < got}
+        malformed = self.malformed_seqs.pop(publisher, set())
+        # A malformed message's seq arrived (its row is Malformed): not also a Gap row.
+        arrived.update(s for s in malformed if expected <= s < got)
         start = expected
-        for seq in [*sorted(s for s in recovered if expected <= s < got), got]:
+        for seq in [*sorted(arrived), got]:
             if seq > start:
                 self.writer.write_gap(publisher, start, seq - 1, source=str(publisher))
             start = seq + 1

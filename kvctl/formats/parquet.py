@@ -62,7 +62,8 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("batch_index", pa.int64(), "message number in the recording; null on Gap rows"),
     ("event_index", pa.int32(), "event number within the batch; null: batch without events"),
     ("recovered", pa.bool_(), "batch fetched from the replay socket to fill a gap (batch)"),
-    ("type", _DSTR, "BlockStored, BlockRemoved, AllBlocksCleared, ...; Malformed; Gap"),
+    ("type", _DSTR, "event type as sent; on kvctl's own rows (event_index null): Malformed, "
+                    "Gap"),
     ("block_hashes", pa.list_(pa.uint64()), "block hashes as unsigned 64-bit"),
     ("block_hashes_bytes", pa.list_(pa.binary()), "block hashes a producer sent as bytes"),
     ("hash_signed", pa.bool_(), "the producer sent signed 64-bit hashes (re-encode as i64)"),

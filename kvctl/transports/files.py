@@ -34,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -881,24 +882,47 @@ def _record_batches(path: Path, columns: list[str] | None = None,
 def open_recording(path: str | os.PathLike[str], include_gaps: bool = False,
                    batch_size: int = 16 * 1024) -> Iterator[Batch | Gap]:
     """Iterate the batches of a recording (file, segment directory or journal), in recorded
-    order, with their events and raw frames. ``include_gaps`` also yields :class:`Gap`."""
-    pending: dict[str, list[Any]] | None = None
+    order, with their events and raw frames. ``include_gaps`` also yields :class:`Gap`.
+
+    A batch's rows may straddle many chunks (a million-event batch spans dozens): its pieces
+    are held and joined once, when the batch is complete, so reading stays linear."""
+    held: list[dict[str, list[Any]]] = []  # pieces of the batch that straddles chunks
+    held_index: Any = None
     for rb in _record_batches(Path(path), batch_size=batch_size):
         cols = columns_to_pylists(rb)
-        if pending is not None:
-            cols = {k: pending[k] + v for k, v in cols.items()}
         bi = cols["batch_index"]
         n = len(bi)
-        # A batch's rows may straddle two chunks: hold the last group back until the next.
+        start = 0
+        if held:
+            while start < n and bi[start] == held_index:
+                start += 1
+            if start:
+                held.append({k: v[:start] for k, v in cols.items()})
+            if start == n:
+                continue
+            yield from _joined_batches(held, include_gaps)
+            held = []
+        # Hold the last group back: its rows may go on in the next chunk.
         cut = n
-        if n and bi[-1] is not None:
+        if n > start and bi[-1] is not None:
             cut = n - 1
-            while cut > 0 and bi[cut - 1] == bi[-1]:
+            while cut > start and bi[cut - 1] == bi[-1]:
                 cut -= 1
-        yield from rows_to_batches(cols, 0, cut, include_gaps)
-        pending = {k: v[cut:] for k, v in cols.items()} if cut < n else None
-    if pending is not None:
-        yield from rows_to_batches(pending, 0, len(pending["batch_index"]), include_gaps)
+        yield from rows_to_batches(cols, start, cut, include_gaps)
+        if cut < n:
+            held = [{k: v[cut:] for k, v in cols.items()}]
+            held_index = bi[-1]
+    if held:
+        yield from _joined_batches(held, include_gaps)
+
+
+def _joined_batches(pieces: list[dict[str, list[Any]]],
+                    include_gaps: bool) -> list[Batch | Gap]:
+    if len(pieces) == 1:
+        cols = pieces[0]
+    else:
+        cols = {k: list(chain.from_iterable(p[k] for p in pieces)) for k in pieces[0]}
+    return rows_to_batches(cols, 0, len(cols["batch_index"]), include_gaps)
 
 
 def _file_metadata(path: Path) -> dict[str, Any]:
@@ -937,10 +961,13 @@ def recording_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     ts_lo = ts_hi = None
     for rb in _record_batches(root, columns=_INFO_COLUMNS, batch_size=64 * 1024):
         counts.add_record_batch(rb)
-        for key, col in (("type", rb.column("type")), ("worker_id", None)):
-            if key == "worker_id":
-                events = pc.is_valid(rb.column("event_index"))
-                col = rb.column("worker_id").filter(events)
+        # Counts by type and worker are of events (event_index set): kvctl's own rows (Gap,
+        # Malformed, a batch without events) have none, so a producer's event named "Gap"
+        # is counted as an event and never as a gap (gaps and malformed come from the
+        # batch_index and error columns).
+        events = pc.is_valid(rb.column("event_index"))
+        for key in ("type", "worker_id"):
+            col = rb.column(key).filter(events)
             vc = pc.value_counts(col.cast(pa.string()))
             target = by_type if key == "type" else by_worker
             for item in vc.to_pylist():
