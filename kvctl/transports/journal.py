@@ -52,6 +52,7 @@ from ..formats.parquet import (
     SCHEMA,
     SCHEMA_VERSION,
     Gap,
+    NestingTooDeep,
     batches_to_record_batch,
     from_json_value,
     to_json_value,
@@ -118,9 +119,13 @@ def exact_row(batch: Batch) -> tuple[tuple, list[bytes]]:
               "recv_ns": batch.recv_ns, "worker_id": batch.worker_id,
               "dp_rank": batch.dp_rank, "error": batch.error, "recovered": batch.recovered,
               "publisher": batch.publisher}
+    try:
+        exact = _dumps(to_json_value(fields))
+    except NestingTooDeep as exc:  # recorded as what it is: a message kvctl cannot hold
+        fields.update(events=[], error=f"not recorded as events: {exc} (raw frames kept)")
+        exact = _dumps(to_json_value(fields))
     row = (_fit_int(batch.recv_ns), _text(batch.source), _text(batch.topic), None, None,
-           batch.recovered is True, None if batch.error is None else "error",
-           _dumps(to_json_value(fields)))
+           batch.recovered is True, None if fields["error"] is None else "error", exact)
     return row, [bytes(f) for f in batch.frames]
 
 
