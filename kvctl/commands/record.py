@@ -65,6 +65,7 @@ def command(**params: Any) -> None:
     from ..errors import TransportError, UsageError
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import LiveSource, Summary, run
+    from ..redact import redact_argv, redact_url
     from ..session import Interrupted, make_filters, make_limits, open_source
     from ..transports.files import (
         OutputExists,
@@ -96,7 +97,8 @@ def command(**params: Any) -> None:
             rotate_every=rotate_every, fsync=params["fsync"], filters=filters,
             labels=_labels(params["sources"]), overwrite=params["overwrite"],
             append=params["append"],
-            metadata={"sources": list(params["sources"]), "command": sys.argv[1:]})
+            metadata={"sources": [redact_url(s) for s in params["sources"]],
+                      "command": redact_argv(sys.argv[1:])})
     except OutputExists as exc:  # appeared since the check above
         source.close()
         raise UsageError(str(exc)) from None
@@ -107,7 +109,8 @@ def command(**params: Any) -> None:
     progress = None
     interrupted = False
     try:  # from here on, whatever happens, the writer is closed and the recording readable
-        diagnostics.say(f"kvctl: recording {', '.join(params['sources'])} -> "
+        shown = ", ".join(map(redact_url, params["sources"]))
+        diagnostics.say(f"kvctl: recording {shown} -> "
                         f"{params['output']}", "dim")
         # Live batches are journalled raw (frames + labels) and decoded again by the
         # converter; batches read back from recordings are journalled exactly.
@@ -222,6 +225,10 @@ class RecordingSink:
             self.writer.write_message(batch)
         else:
             self.writer.write(batch)
+        if type(batch.source) is str and "@" in batch.source:  # never echo a password
+            from ..redact import redact_url
+
+            batch = dataclasses.replace(batch, source=redact_url(batch.source))
         self.shown.malformed(batch)
 
     def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None:

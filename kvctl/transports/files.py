@@ -53,6 +53,7 @@ from ..formats.parquet import (
     rows_to_batches,
     to_json_value,
 )
+from ..redact import redact_metadata, redact_url
 from .journal import (
     DEFAULT_ZSTD_LEVEL,
     JOURNAL_FORMAT,
@@ -220,7 +221,7 @@ class RecordingWriter:
         if conflict is not None:
             raise OutputExists(conflict)
         self.overwrite = overwrite and not self.segmented
-        self.metadata = dict(metadata or {})
+        self.metadata = redact_metadata(metadata or {})  # footer, journal, manifest: no secrets
         self.flush_interval = flush_interval
         self.flush_rows = flush_rows
         self.fsync = fsync
@@ -230,7 +231,8 @@ class RecordingWriter:
                         if filters is not None else None)
         self.start_ns = time.time_ns()
 
-        self.labels = ({k: to_json_value(list(v)) for k, v in labels.items()}
+        # keyed as the journal's (redacted) source column is
+        self.labels = ({redact_url(k): to_json_value(list(v)) for k, v in labels.items()}
                        if labels is not None else None)
         self._fields = message_fields if labels is None else message_fields_unlabelled
         self._buf = RowBuffer(labelled=labels is None)  # what the receive loop appends to
@@ -1007,7 +1009,7 @@ def recording_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         "path": str(root),
         "schema_version": schema_version,
         "kvctl_version": _first_version(sources),
-        "metadata": metadata,
+        "metadata": redact_metadata(metadata),  # recordings of older versions held secrets
         "files": files,
         "bytes": size,
         "raw_bytes": raw,

@@ -57,6 +57,7 @@ from ..formats.parquet import (
     from_json_value,
     to_json_value,
 )
+from ..redact import redact_url
 
 JOURNAL_FORMAT = 2
 METADATA_KEY = "kvctl"
@@ -114,7 +115,8 @@ def _text(v: Any) -> str | None:
 
 def exact_row(batch: Batch) -> tuple[tuple, list[bytes]]:
     """A batch recorded as is: (row, frames); every field but the frames as tagged JSON."""
-    fields = {"kind": "batch", "source": batch.source, "events": batch.events,
+    source = redact_url(batch.source) if type(batch.source) is str else batch.source
+    fields = {"kind": "batch", "source": source, "events": batch.events,
               "format": batch.format, "topic": batch.topic, "seq": batch.seq, "ts": batch.ts,
               "recv_ns": batch.recv_ns, "worker_id": batch.worker_id,
               "dp_rank": batch.dp_rank, "error": batch.error, "recovered": batch.recovered,
@@ -124,7 +126,7 @@ def exact_row(batch: Batch) -> tuple[tuple, list[bytes]]:
     except NestingTooDeep as exc:  # recorded as what it is: a message kvctl cannot hold
         fields.update(events=[], error=f"not recorded as events: {exc} (raw frames kept)")
         exact = _dumps(to_json_value(fields))
-    row = (_fit_int(batch.recv_ns), _text(batch.source), _text(batch.topic), None, None,
+    row = (_fit_int(batch.recv_ns), _text(source), _text(batch.topic), None, None,
            batch.recovered is True, None if fields["error"] is None else "error", exact)
     return row, [bytes(f) for f in batch.frames]
 
@@ -133,9 +135,11 @@ _GAP_PREFIX = '{"kind":"gap"'
 
 
 def gap_row(gap: Gap) -> tuple[tuple, list[bytes]]:
-    fields = {"kind": "gap", "publisher": gap.publisher, "from_seq": gap.from_seq,
-              "to_seq": gap.to_seq, "recv_ns": gap.recv_ns, "source": gap.source}
-    row = (_fit_int(gap.recv_ns), _text(gap.source), None, None, None, None, None,
+    source = redact_url(gap.source) if type(gap.source) is str else gap.source
+    publisher = redact_url(gap.publisher) if type(gap.publisher) is str else gap.publisher
+    fields = {"kind": "gap", "publisher": publisher, "from_seq": gap.from_seq,
+              "to_seq": gap.to_seq, "recv_ns": gap.recv_ns, "source": source}
+    row = (_fit_int(gap.recv_ns), _text(source), None, None, None, None, None,
            _dumps(to_json_value(fields)))
     return row, []
 
@@ -231,6 +235,8 @@ class RowBuffer:
                 continue
             if i in (3, 4):
                 col = _labels(col)
+            elif i == 1:
+                col = _redacted(col)
             try:
                 arrays.append(pa.array(col, type=ftype))
             except (TypeError, ValueError, OverflowError, pa.ArrowException):
@@ -249,6 +255,18 @@ class RowBuffer:
             chunk.missing += g["to_seq"] - g["from_seq"] + 1
         chunk.raw_bytes = len(data)
         return chunk
+
+
+def _redacted(sources: Any) -> Any:
+    """Source URLs without credentials (nats://u:***@host): computed once per distinct value,
+    so the journal, and the Parquet file decoded from it, never hold a password."""
+    try:
+        table = {v: redact_url(v) if type(v) is str else v for v in set(sources)}
+    except TypeError:  # an unhashable source from a library caller
+        return [redact_url(v) if type(v) is str else v for v in sources]
+    if all(k is v for k, v in table.items()):
+        return sources
+    return list(map(table.__getitem__, sources))
 
 
 def _labels(values: tuple) -> list[str]:
