@@ -256,3 +256,26 @@ def test_a_damaged_recording_is_one_line(tmp_path, capsys):
         code, out, err = kvctl(capsys, *args)
         assert code == 1 and "Traceback" not in err, (args, err)
         assert sum("cannot read recording" in line for line in err.splitlines()) == 1, err
+
+
+def test_a_file_that_appears_at_the_output_during_recording_is_not_replaced(engine, tmp_path,
+                                                                             capsys):
+    from conftest import finish, read_line, removed, start_kvctl
+
+    path = tmp_path / "run.parquet"
+    proc = start_kvctl("record", engine.endpoint, "-o", str(path), "--idle-timeout", "2")
+    assert read_line(proc.stderr).startswith("kvctl: recording")
+    engine.wait_for()
+    path.write_text("written by someone else meanwhile")
+    for i in range(3):
+        engine.send([removed([i])])
+    rc, _, err = finish(proc, timeout=60)
+    assert rc == 1 and "Traceback" not in err, err
+    assert "recover" in err and "-o NEW.parquet" in err, err
+    assert path.read_text() == "written by someone else meanwhile"
+    journal = tmp_path / "run.parquet.journal"
+    assert journal.exists()
+    assert not list(tmp_path.glob(".*.tmp")), list(tmp_path.iterdir())
+    code, _, err = kvctl(capsys, "recover", path, "-o", tmp_path / "mine.parquet")
+    assert code == 0 and not journal.exists(), err
+    assert seqs(tmp_path / "mine.parquet") == [0, 1, 2]

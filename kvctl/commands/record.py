@@ -131,10 +131,11 @@ def command(**params: Any) -> None:
         try:
             result = writer.close()
         except OSError as exc:  # disk full, file system gone: what was flushed is recoverable
-            hint = (f"; `kvctl recover {params['output']}` restores what was flushed"
+            elsewhere = " -o NEW.parquet" if isinstance(exc, OutputExists) else ""
+            hint = (f"; `kvctl recover {params['output']}{elsewhere}` restores what was flushed"
                     if leftover_journals(params["output"]) else "")
-            raise TransportError(f"{params['output']}: cannot write: "
-                                 f"{exc.strerror or exc}{hint}") from None
+            why = str(exc) if isinstance(exc, OutputExists) else exc.strerror or exc
+            raise TransportError(f"{params['output']}: cannot write: {why}{hint}") from None
     report = {"summary": summary.to_json(), "recording": result}
     if params["as_json"]:
         click.echo(dumps(report))

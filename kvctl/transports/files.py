@@ -121,11 +121,12 @@ def _is_kvctl_entry(name: str) -> bool:
 
 
 def output_conflict(path: str | os.PathLike[str], segmented: bool, overwrite: bool = False,
-                    append: bool = False) -> str | None:
+                    append: bool = False, options: bool = True) -> str | None:
     """Why recording to ``path`` would destroy or mix in data this run did not write, with
     the remedy; None when it is safe. A recording file is replaced only with ``overwrite``;
     a segment directory must be new or empty, or, with ``append``, hold a kvctl recording
-    (new segments are numbered after its last). An unconverted journal is never touched."""
+    (new segments are numbered after its last). An unconverted journal is never touched.
+    ``options``: name record's ``--overwrite``/``--append`` in the remedy."""
     path = Path(path)
     journals = leftover_journals(path) if path.exists() or _journal_of(path).exists() else []
     if journals:
@@ -136,7 +137,8 @@ def output_conflict(path: str | os.PathLike[str], segmented: bool, overwrite: bo
             return (f"{path} is a directory; give a file path (run.parquet), or write "
                     "segments into a directory with --rotate-size/--rotate-every")
         if path.exists() and not overwrite:
-            return f"{path} exists; give a new path, or --overwrite to replace it"
+            how = ", or --overwrite to replace it" if options else " (or remove it first)"
+            return f"{path} exists; give a new path{how}"
         return None
     if not path.exists():
         return None
@@ -146,8 +148,8 @@ def output_conflict(path: str | os.PathLike[str], segmented: bool, overwrite: bo
     if not names:
         return None
     if not append:
-        return (f"{path} is not empty; give a new or empty directory, or --append to add "
-                "segments to the recording in it")
+        how = ", or --append to add segments to the recording in it" if options else ""
+        return f"{path} is not empty; give a new or empty directory{how}"
     if not any(_is_kvctl_entry(n) for n in names):
         return f"{path} holds no kvctl recording; --append adds segments to one"
     return None
@@ -217,7 +219,8 @@ class RecordingWriter:
         self.rotate_size = rotate_size
         self.rotate_every = rotate_every
         self.segmented = rotate_size is not None or rotate_every is not None
-        conflict = output_conflict(self.path, self.segmented, overwrite, append)
+        conflict = output_conflict(self.path, self.segmented, overwrite, append,
+                                   options=False)
         if conflict is not None:
             raise OutputExists(conflict)
         self.overwrite = overwrite and not self.segmented
@@ -597,6 +600,8 @@ class RecordingWriter:
                 self._done(msg["journal"], msg["meta"], msg.get("journal_bytes", 0))
             elif msg.get("op") == "bye":
                 self.converter_info["peak_rss_kb"] = msg.get("peak_rss_kb")
+            elif msg.get("op") == "failed":  # its journal is converted here at close
+                self.converter_info.setdefault("failures", []).append(msg.get("error"))
 
     def _done(self, journal: str, meta: dict[str, Any], journal_bytes: int) -> None:
         seg = next((s for s in self._open if str(s.journal.path) == journal), None)

@@ -788,7 +788,14 @@ def main() -> int:
             _emit({"op": "ready", "pid": os.getpid()})
         if tasks:
             task = tasks[0]
-            if task.step():
+            try:
+                stepped = task.step()
+            except Exception as exc:  # never a traceback, never a stray temp file: the
+                tasks.pop(0)  # journal stays, and the recorder converts it or says why
+                task.abort()
+                _emit({"op": "failed", "journal": str(task.journal), "error": str(exc)})
+                continue
+            if stepped:
                 _emit({"op": "progress", "journal": str(task.journal), "pos": task.pos})
             elif task.sealed is not None:
                 tasks.pop(0)
