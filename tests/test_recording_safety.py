@@ -4,7 +4,9 @@ delete or mix data they did not write in this run (issue 10)."""
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -279,3 +281,29 @@ def test_a_file_that_appears_at_the_output_during_recording_is_not_replaced(engi
     code, _, err = kvctl(capsys, "recover", path, "-o", tmp_path / "mine.parquet")
     assert code == 0 and not journal.exists(), err
     assert seqs(tmp_path / "mine.parquet") == [0, 1, 2]
+
+
+@pytest.mark.parametrize("rotate", [[], ["--rotate-size", "1G"]])
+def test_recover_leaves_a_running_recorders_journal_alone(engine, tmp_path, capsys, rotate):
+    from conftest import finish, read_line, removed, start_kvctl
+
+    path = tmp_path / ("seg" if rotate else "run.parquet")
+    proc = start_kvctl("record", engine.endpoint, "-o", str(path), *rotate)
+    assert read_line(proc.stderr).startswith("kvctl: recording")
+    engine.wait_for()
+    engine.send([removed([1])])
+    journals: list = []
+    deadline = time.monotonic() + 15
+    while not journals and time.monotonic() < deadline:  # the first flush is the signal
+        journals = list(path.glob(".*.journal")) if rotate else [
+            j for j in [tmp_path / "run.parquet.journal"] if j.exists()]
+        time.sleep(0.05)
+    before = {j: j.read_bytes() for j in journals}
+    code, _, err = kvctl(capsys, "recover", path)
+    assert code == 1 and "running recorder" in err, err
+    assert {j: j.read_bytes() for j in journals} == before
+    assert not (path / "_manifest.json").exists() if rotate else not path.exists()
+    proc.send_signal(signal.SIGINT)
+    rc, _, err = finish(proc, timeout=30)
+    assert rc == 130, err
+    assert [b.events[0]["block_hashes"] for b in open_recording(path)] == [[1]]

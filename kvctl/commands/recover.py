@@ -34,6 +34,7 @@ def command(path: str, output: str | None, as_json: bool) -> None:
         NotAJournal,
         NotARecording,
         OutputExists,
+        RecorderRunning,
         recording_info,
         recover,
     )
@@ -41,7 +42,8 @@ def command(path: str, output: str | None, as_json: bool) -> None:
     try:
         recovered = recover(path, output)
         info = recording_info(recovered)
-    except (NotAJournal, NotARecording, OutputExists, FileNotFoundError) as exc:
+    except (NotAJournal, NotARecording, OutputExists, RecorderRunning,
+            FileNotFoundError) as exc:
         raise TransportError(str(exc)) from None
     except (OSError, ValueError) as exc:
         raise TransportError(f"{path}: cannot recover: {exc}") from None

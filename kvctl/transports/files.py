@@ -75,13 +75,14 @@ from .journal import (
     message_fields_unlabelled,
     read_journal,
     remove_stale_temps,
+    writer_running,
 )
 from .journal import Counts as _Counts
 
 __all__ = ["RecordingWriter", "recover", "open_recording", "recording_info", "Gap",
            "MANIFEST_NAME", "JOURNAL_SUFFIX", "read_journal", "DEFAULT_ZSTD_LEVEL",
            "ROW_GROUP_ROWS", "NotAJournal", "OutputExists", "NotARecording",
-           "output_conflict", "leftover_journals"]
+           "output_conflict", "leftover_journals", "RecorderRunning"]
 
 JOURNAL_SUFFIX = ".journal"
 MANIFEST_NAME = "_manifest.json"
@@ -96,6 +97,10 @@ MAX_READY_CHUNKS = 16  # built chunks waiting for the I/O thread before the call
 
 def _journal_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     return journal_metadata(path)
+
+
+class RecorderRunning(ValueError):
+    """The journal belongs to a recorder that is still running: not ours to convert."""
 
 
 class NotARecording(ValueError):
@@ -514,7 +519,7 @@ class RecordingWriter:
         info: dict[str, Any] = {
             "kvctl_version": __version__, "schema_version": SCHEMA_VERSION,
             "journal_format": JOURNAL_FORMAT, "metadata": self.metadata,
-            "start_ns": self.start_ns, "opened_ns": time.time_ns(),
+            "start_ns": self.start_ns, "opened_ns": time.time_ns(), "writer_pid": os.getpid(),
             "first_batch_index": self._next_index, "raw_frames": self.raw_frames}
         if self.filters is not None:
             info["filters"] = self.filters
@@ -722,6 +727,10 @@ def recover(journal_path: str | os.PathLike[str],
 
 def _recover_one(journal: Path, target: Path, explicit: bool = False) -> dict[str, Any]:
     info = journal_header(journal)
+    pid = writer_running(info)
+    if pid is not None:
+        raise RecorderRunning(f"{journal} is being written by a running recorder (pid {pid}); "
+                              "stop it instead (Ctrl-C or SIGTERM converts it)")
     remove_stale_temps(target)
     if target.exists():
         if not explicit and _converted_from(target, journal, info):
@@ -755,13 +764,21 @@ def _recover_directory(directory: Path) -> Path:
     if not any(_is_kvctl_entry(n) for n in names):
         raise NotARecording(f"{directory}: no kvctl recording here (no segments, journals or "
                             "manifest); nothing changed")
+    for entry in sorted(directory.iterdir()):  # a live recorder's directory is its own
+        if _SEGMENT_JOURNAL_RE.match(entry.name):
+            with contextlib.suppress(NotAJournal):
+                pid = writer_running(journal_header(entry))
+                if pid is not None:
+                    raise RecorderRunning(
+                        f"{directory} is being written by a running recorder (pid {pid}); "
+                        "stop it instead (Ctrl-C or SIGTERM converts it); nothing changed")
     refused: list[str] = []
     for entry in sorted(directory.iterdir()):
         m = _SEGMENT_JOURNAL_RE.match(entry.name)
         if m:
             try:
                 _recover_one(entry, directory / entry.name[1: -len(JOURNAL_SUFFIX)])
-            except (NotAJournal, OutputExists) as exc:
+            except (NotAJournal, OutputExists, RecorderRunning) as exc:
                 refused.append(str(exc))
     for entry in list(directory.glob(".part-*.tmp")):
         remove_stale_temps(directory / (entry.name[1:].split(".parquet.")[0] + ".parquet"))

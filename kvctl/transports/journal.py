@@ -561,6 +561,19 @@ def remove_stale_temps(target: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
+def writer_running(info: dict[str, Any]) -> int | None:
+    """The pid of the kvctl process still writing the journal with header ``info``, if any
+    (a pid reused by another program does not count)."""
+    pid = info.get("writer_pid")
+    if type(pid) is not int or pid == os.getpid() or not _alive(pid):
+        return None
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return pid if b"kvctl" in f.read() else None
+    except OSError:
+        return pid  # no /proc: trust the pid
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -595,7 +608,7 @@ def publish(tmp: Path, target: Path, overwrite: bool) -> None:
     tmp.unlink()
 
 
-_JOURNAL_ONLY = ("journal_format", "first_batch_index", "raw_frames")
+_JOURNAL_ONLY = ("journal_format", "first_batch_index", "raw_frames", "writer_pid")
 
 
 class ParquetOutput:
