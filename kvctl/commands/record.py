@@ -216,7 +216,10 @@ class RecordingSink:
 
     def malformed(self, batch: Any) -> None:
         if type(batch.seq) is int:
-            seqs = self.malformed_seqs.setdefault(batch.publisher, set())
+            try:
+                seqs = self.malformed_seqs.setdefault(batch.publisher, set())
+            except TypeError:  # an unhashable publisher (a hostile Dynamo envelope)
+                seqs = set()
             seqs.add(batch.seq)
             if len(seqs) > 4096:  # a stream of nothing but malformed messages: stay bounded
                 keep = sorted(seqs)[-2048:]
@@ -236,7 +239,10 @@ class RecordingSink:
         """One Gap row per run of seqs the replay socket could not fill. A batch that arrives
         later still is recorded too (the reader then sees it as a late arrival)."""
         arrived = {s for s in recovered if expected <= s < got}
-        malformed = self.malformed_seqs.pop(publisher, set())
+        try:
+            malformed = self.malformed_seqs.pop(publisher, set())
+        except TypeError:  # unhashable publisher
+            malformed = set()
         # A malformed message's seq arrived (its row is Malformed): not also a Gap row.
         arrived.update(s for s in malformed if expected <= s < got)
         start = expected
