@@ -172,6 +172,8 @@ def test_rotation_directory_of_another_run_needs_append(tmp_path, capsys):
     run = tmp_path / "run"
     assert kvctl(capsys, "record", source, "-o", run, "--rotate-size", "1G", "-q")[0] == 0
     before = listing(run)
+    code, _, err = kvctl(capsys, "recover", run)  # complete: its manifest is not rewritten
+    assert code == 1 and "no journal to recover" in err and listing(run) == before, err
     code, _, err = kvctl(capsys, "record", later, "-o", run, "--rotate-size", "1G", "-q")
     assert code == 2 and "--append" in err, err
     assert listing(run) == before

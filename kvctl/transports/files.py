@@ -764,6 +764,12 @@ def _recover_directory(directory: Path) -> Path:
     if not any(_is_kvctl_entry(n) for n in names):
         raise NotARecording(f"{directory}: no kvctl recording here (no segments, journals or "
                             "manifest); nothing changed")
+    old_manifest: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        old_manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    if not leftover_journals(directory) and old_manifest.get("complete"):
+        raise FileNotFoundError(f"no journal to recover in {directory} (its recording is "
+                                "complete); nothing changed")
     for entry in sorted(directory.iterdir()):  # a live recorder's directory is its own
         if _SEGMENT_JOURNAL_RE.match(entry.name):
             with contextlib.suppress(NotAJournal):
