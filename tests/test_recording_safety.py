@@ -309,3 +309,22 @@ def test_recover_leaves_a_running_recorders_journal_alone(engine, tmp_path, caps
     rc, _, err = finish(proc, timeout=30)
     assert rc == 130, err
     assert [b.events[0]["block_hashes"] for b in open_recording(path)] == [[1]]
+
+
+def test_a_doctored_row_is_one_line_not_a_traceback(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    good = _tiny(tmp_path)
+    table = pq.read_table(good)
+    deep = "[" * 5000 + "]" * 5000  # valid JSON no kvctl writer produces
+    index = table.schema.get_field_index("extra")
+    table = table.set_column(index, "extra", pa.array([deep] * table.num_rows, pa.string()))
+    bad = tmp_path / "doctored.parquet"
+    with pq.ParquetWriter(bad, table.schema) as writer:
+        writer.write_table(table)
+        writer.add_key_value_metadata(
+            {"kvctl": pq.ParquetFile(good).metadata.metadata[b"kvctl"].decode()})
+    for args in (["cat", bad], ["check", bad], ["tap", bad, "--json"]):
+        code, out, err = kvctl(capsys, *args)
+        assert code == 1 and "Traceback" not in err, (args, err)
+        assert sum("damaged recording" in line for line in err.splitlines()) == 1, (args, err)

@@ -915,10 +915,22 @@ def open_recording(path: str | os.PathLike[str], include_gaps: bool = False,
     order, with their events and raw frames. ``include_gaps`` also yields :class:`Gap`.
 
     A batch's rows may straddle many chunks (a million-event batch spans dozens): its pieces
-    are held and joined once, when the batch is complete, so reading stays linear."""
+    are held and joined once, when the batch is complete, so reading stays linear. Rows no
+    kvctl writer produces (a damaged or doctored file) raise :class:`NotARecording`."""
+    try:
+        yield from _read_batches(Path(path), include_gaps, batch_size)
+    except _DAMAGE as exc:
+        raise NotARecording(f"damaged recording ({type(exc).__name__}: {exc})") from None
+
+
+# What rows that passed the schema check can still raise when a file was damaged or doctored.
+_DAMAGE = (RecursionError, KeyError, TypeError, IndexError, AttributeError, OverflowError)
+
+
+def _read_batches(path: Path, include_gaps: bool, batch_size: int) -> Iterator[Batch | Gap]:
     held: list[dict[str, list[Any]]] = []  # pieces of the batch that straddles chunks
     held_index: Any = None
-    for rb in _record_batches(Path(path), batch_size=batch_size):
+    for rb in _record_batches(path, batch_size=batch_size):
         cols = columns_to_pylists(rb)
         bi = cols["batch_index"]
         n = len(bi)
@@ -969,7 +981,13 @@ def recording_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Everything ``kvctl inspect`` shows, computed by scanning the recording column-wise:
     schema version, metadata, files and sizes, time range, seq range per publisher, counts by
     type and worker, gaps, malformed count, and size on disk / raw frame bytes."""
-    root = Path(path)
+    try:
+        return _recording_info(Path(path))
+    except _DAMAGE as exc:
+        raise NotARecording(f"damaged recording ({type(exc).__name__}: {exc})") from None
+
+
+def _recording_info(root: Path) -> dict[str, Any]:
     sources = _sources(root)
     files = []
     metadata: dict[str, Any] = {}
