@@ -37,6 +37,12 @@ def _parse(value: str | None, units: dict[str, float], what: str) -> float | Non
               help="Start a new segment after about SIZE bytes of Parquet (e.g. 512M, 2G).")
 @click.option("--rotate-every", metavar="INTERVAL",
               help="Start a new segment on every clock boundary of INTERVAL (e.g. 60, 5m, 1h).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing recording file at -o (atomically, when the new one "
+                   "is complete). Without it an existing file is refused.")
+@click.option("--append", is_flag=True,
+              help="With rotation: add segments to the recording already in the -o directory "
+                   "(numbered after its last). Without it the directory must be new or empty.")
 @click.option("--fsync", is_flag=True, help="fsync the journal at every flush (slower; survives "
                                             "power loss, not only a killed process).")
 @filter_options
@@ -58,24 +64,46 @@ def command(**params: Any) -> None:
       kvctl record nats://127.0.0.1:4222 --from-start -o dynamo.parquet --idle-timeout 30
       duckdb -c "SELECT type, count(*) FROM 'run.parquet' GROUP BY 1"
     """
-    from ..errors import TransportError
+    from ..errors import TransportError, UsageError
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import LiveSource, Summary, run
+    from ..redact import redact_argv, redact_url
     from ..session import Interrupted, make_filters, make_limits, open_source
-    from ..transports.files import RecordingWriter
+    from ..transports.files import (
+        OutputExists,
+        RecordingWriter,
+        leftover_journals,
+        output_conflict,
+    )
 
     rotate_size = _parse(params["rotate_size"], _SIZE_UNITS, "size (e.g. 512M)")
     rotate_every = _parse(params["rotate_every"], _TIME_UNITS, "time interval (e.g. 5m)")
+    segmented = rotate_size is not None or rotate_every is not None
+    if params["append"] and not segmented:
+        raise UsageError("--append adds segments to a rotation directory: give --rotate-size "
+                         "or --rotate-every (a Parquet file cannot be appended to)")
+    if params["overwrite"] and segmented:
+        raise UsageError("--overwrite replaces one recording file; with rotation give a new "
+                         "directory, or --append")
+    conflict = output_conflict(params["output"], segmented, params["overwrite"],
+                               params["append"])
+    if conflict is not None:  # before any source is opened: nothing of the user's is touched
+        raise UsageError(conflict)
+    _check_writable(params["output"])
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
     source = open_source(params["sources"], **connection_kwargs(params))
     filters = make_filters(params)
-    _check_writable(params["output"])
     try:
         writer = RecordingWriter(
             params["output"], rotate_size=int(rotate_size) if rotate_size else None,
             rotate_every=rotate_every, fsync=params["fsync"], filters=filters,
-            labels=_labels(params["sources"]),
-            metadata={"sources": list(params["sources"]), "command": sys.argv[1:]})
+            labels=_labels(params["sources"]), overwrite=params["overwrite"],
+            append=params["append"],
+            metadata={"sources": [redact_url(s) for s in params["sources"]],
+                      "command": redact_argv(sys.argv[1:])})
+    except OutputExists as exc:  # appeared since the check above
+        source.close()
+        raise UsageError(str(exc)) from None
     except OSError as exc:
         source.close()
         raise TransportError(f"{params['output']}: cannot write: {exc.strerror or exc}") from None
@@ -83,7 +111,8 @@ def command(**params: Any) -> None:
     progress = None
     interrupted = False
     try:  # from here on, whatever happens, the writer is closed and the recording readable
-        diagnostics.say(f"kvctl: recording {', '.join(params['sources'])} -> "
+        shown = ", ".join(map(redact_url, params["sources"]))
+        diagnostics.say(f"kvctl: recording {shown} -> "
                         f"{params['output']}", "dim")
         # Live batches are journalled raw (frames + labels) and decoded again by the
         # converter; batches read back from recordings are journalled exactly.
@@ -92,7 +121,7 @@ def command(**params: Any) -> None:
         if filters.types or filters.workers:
             sink.filtering()
         run(source, sink, make_limits(params), filters, sink, summary=summary,
-            on_batch=sink.on_batch if filters.types or filters.workers else None)
+            on_batch=sink.on_batch if filters.types or filters.workers else sink.on_empty)
         sink.close()
     except KeyboardInterrupt:
         summary.stopped_by = "interrupt"
@@ -104,11 +133,11 @@ def command(**params: Any) -> None:
         try:
             result = writer.close()
         except OSError as exc:  # disk full, file system gone: what was flushed is recoverable
-            hint = (f"; `kvctl recover {params['output']}` restores what was flushed"
-                    if os.path.exists(params["output"] + ".journal")
-                    or os.path.isdir(params["output"]) else "")
-            raise TransportError(f"{params['output']}: cannot write: "
-                                 f"{exc.strerror or exc}{hint}") from None
+            elsewhere = " -o NEW.parquet" if isinstance(exc, OutputExists) else ""
+            hint = (f"; `kvctl recover {params['output']}{elsewhere}` restores what was flushed"
+                    if leftover_journals(params["output"]) else "")
+            why = str(exc) if isinstance(exc, OutputExists) else exc.strerror or exc
+            raise TransportError(f"{params['output']}: cannot write: {why}{hint}") from None
     report = {"summary": summary.to_json(), "recording": result}
     if params["as_json"]:
         click.echo(dumps(report))
@@ -154,6 +183,7 @@ class RecordingSink:
         self.shown = shown
         self.raw = raw
         self.pending: Any = None
+        self.malformed_seqs: dict[Any, set[int]] = {}  # since the publisher's last gap
         self._record = writer.write_message if raw else self._record_exact
         if raw:
             self.write = writer.write_message  # type: ignore[method-assign]
@@ -174,23 +204,51 @@ class RecordingSink:
             self._record(self.pending, [])
         self.pending = batch if batch.error is None else None
 
+    def on_empty(self, batch: Any) -> None:
+        """Without filters: a batch without events (``[ts, [], 0]``, an empty Dynamo
+        envelope) is never written by the pipeline, yet it was received and its seq counted:
+        record it, so that reading back shows no gap where there was none."""
+        if not batch.events and batch.error is None:
+            self._record(batch, [])
+
     def filtering(self) -> RecordingSink:
         """Route writes through :meth:`write` so that :meth:`on_batch` sees them."""
         self.__dict__.pop("write", None)
         return self
 
     def malformed(self, batch: Any) -> None:
+        if type(batch.seq) is int:
+            try:
+                seqs = self.malformed_seqs.setdefault(batch.publisher, set())
+            except TypeError:  # an unhashable publisher (a hostile Dynamo envelope)
+                seqs = set()
+            seqs.add(batch.seq)
+            if len(seqs) > 4096:  # a stream of nothing but malformed messages: stay bounded
+                keep = sorted(seqs)[-2048:]
+                seqs.clear()
+                seqs.update(keep)
         if self.raw:
             self.writer.write_message(batch)
         else:
             self.writer.write(batch)
+        if type(batch.source) is str and "@" in batch.source:  # never echo a password
+            from ..redact import redact_url
+
+            batch = dataclasses.replace(batch, source=redact_url(batch.source))
         self.shown.malformed(batch)
 
     def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None:
         """One Gap row per run of seqs the replay socket could not fill. A batch that arrives
         later still is recorded too (the reader then sees it as a late arrival)."""
+        arrived = {s for s in recovered if expected <= s < got}
+        try:
+            malformed = self.malformed_seqs.pop(publisher, set())
+        except TypeError:  # unhashable publisher
+            malformed = set()
+        # A malformed message's seq arrived (its row is Malformed): not also a Gap row.
+        arrived.update(s for s in malformed if expected <= s < got)
         start = expected
-        for seq in [*sorted(s for s in recovered if expected <= s < got), got]:
+        for seq in [*sorted(arrived), got]:
             if seq > start:
                 self.writer.write_gap(publisher, start, seq - 1, source=str(publisher))
             start = seq + 1

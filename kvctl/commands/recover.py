@@ -10,28 +10,43 @@ from ..text import plural
 
 @click.command("recover", cls=KvctlCommand)
 @click.argument("path", type=click.Path(exists=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Write the recovered recording here (a new file) instead of the journal's "
+                   "own recording path, e.g. when that path already holds another recording.")
 @click.option("--json", "as_json", is_flag=True, help="Print the recovered recording's summary "
                                                       "as one JSON object.")
-def command(path: str, as_json: bool) -> None:
+def command(path: str, output: str | None, as_json: bool) -> None:
     """Convert the journal of a recorder that was killed (kill -9, power loss) to Parquet.
 
     PATH is the journal (run.parquet.journal), the recording path it belongs to (run.parquet),
     or a segment directory. Everything flushed before the crash (at most the last second is
-    lost) comes back; a torn last write is dropped.
+    lost) comes back; a torn last write is dropped. Nothing is replaced: if the recording path
+    already holds another file, recover refuses (exit 1) and keeps the journal; give -o. A
+    file that is not a kvctl journal is refused and left untouched. The journal is removed
+    only once the complete recording is in place.
 
     \b
     Example:
       kvctl recover run.parquet
+      kvctl recover run.parquet.journal -o run-recovered.parquet
       kvctl recover segments/ && kvctl inspect segments/
     """
     from ..errors import TransportError
     from ..output import dumps
-    from ..transports.files import recording_info, recover
+    from ..transports.files import (
+        NotAJournal,
+        NotARecording,
+        OutputExists,
+        RecorderRunning,
+        recording_info,
+        recover,
+    )
 
     try:
-        recovered = recover(path)
+        recovered = recover(path, output)
         info = recording_info(recovered)
-    except FileNotFoundError as exc:
+    except (NotAJournal, NotARecording, OutputExists, RecorderRunning,
+            FileNotFoundError) as exc:
         raise TransportError(str(exc)) from None
     except (OSError, ValueError) as exc:
         raise TransportError(f"{path}: cannot recover: {exc}") from None

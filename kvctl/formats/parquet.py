@@ -20,6 +20,7 @@ from code paths that record or read recordings.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime
 import json
 import math
@@ -62,7 +63,8 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("batch_index", pa.int64(), "message number in the recording; null on Gap rows"),
     ("event_index", pa.int32(), "event number within the batch; null: batch without events"),
     ("recovered", pa.bool_(), "batch fetched from the replay socket to fill a gap (batch)"),
-    ("type", _DSTR, "BlockStored, BlockRemoved, AllBlocksCleared, ...; Malformed; Gap"),
+    ("type", _DSTR, "event type as sent; on kvctl's own rows (event_index null): Malformed, "
+                    "Gap"),
     ("block_hashes", pa.list_(pa.uint64()), "block hashes as unsigned 64-bit"),
     ("block_hashes_bytes", pa.list_(pa.binary()), "block hashes a producer sent as bytes"),
     ("hash_signed", pa.bool_(), "the producer sent signed 64-bit hashes (re-encode as i64)"),
@@ -120,25 +122,39 @@ class Gap:
 # --- tagged JSON for the extra columns ----------------------------------------------------------
 
 
-def to_json_value(v: Any) -> Any:
+MAX_DEPTH = 64
+"""Containers nested deeper than this inside one value are not recorded as values: the message
+is recorded as Malformed with its raw frames (real KV events nest 3 levels at most; the bound
+keeps every encoder and reader of the recording far from Python's recursion limit)."""
+
+
+class NestingTooDeep(ValueError):
+    """A value nests containers deeper than :data:`MAX_DEPTH`."""
+
+
+def to_json_value(v: Any, _depth: int = 0) -> Any:
     """Make ``v`` JSON-safe, losslessly: bytes, tuples, odd maps, non-finite floats and
     timestamps get a one-key ``{"$b"|"$t"|"$m"|"$f"|"$d": ...}`` wrapper, everything else stays
-    readable JSON (anything else becomes its ``repr`` under ``"$r"``)."""
+    readable JSON (anything else becomes its ``repr`` under ``"$r"``). Containers nested
+    deeper than :data:`MAX_DEPTH` raise :class:`NestingTooDeep` (never a RecursionError)."""
     t = type(v)
     if v is None or t is str or t is bool or t is int:
         return v
     if t is float:
         return v if math.isfinite(v) else {"$f": repr(v)}
-    if t is list:
-        return [to_json_value(x) for x in v]
-    if t is dict:
+    if t is list or t is dict or t is tuple:
+        if _depth >= MAX_DEPTH:
+            raise NestingTooDeep(f"a value nests deeper than {MAX_DEPTH} levels")
+        d = _depth + 1
+        if t is list:
+            return [to_json_value(x, d) for x in v]
+        if t is tuple:
+            return {"$t": [to_json_value(x, d) for x in v]}
         if all(type(k) is str and not k.startswith("$") for k in v):
-            return {k: to_json_value(x) for k, x in v.items()}
-        return {"$m": [[to_json_value(k), to_json_value(x)] for k, x in v.items()]}
+            return {k: to_json_value(x, d) for k, x in v.items()}
+        return {"$m": [[to_json_value(k, d), to_json_value(x, d)] for k, x in v.items()]}
     if t is bytes or t is bytearray or t is memoryview:
         return {"$b": base64.b64encode(bytes(v)).decode()}
-    if t is tuple:
-        return {"$t": [to_json_value(x) for x in v]}
     if t is datetime.datetime:  # a msgpack timestamp
         return {"$d": v.isoformat()}
     return {"$r": repr(v)}  # not from any decoder; kept as text rather than refused
@@ -268,6 +284,15 @@ def batches_to_record_batch(
     (engine batches encoded canonically: the common case, and half the bytes on disk);
     ``"always"`` stores them regardless.
     """
+    batches = list(batches)
+    try:
+        return _to_record_batch(batches, first_batch_index, raw_frames)
+    except (NestingTooDeep, RecursionError):
+        return _deep_ones_malformed(batches, first_batch_index, raw_frames)
+
+
+def _to_record_batch(batches: list[Batch | Gap], first_batch_index: int,
+                     raw_frames: str) -> pa.RecordBatch:
     cols = _Columns()
     index = first_batch_index
     for batch in batches:
@@ -279,6 +304,25 @@ def batches_to_record_batch(
     _fill_events(cols)
     arrays = [pa.array(cols.data[n], type=t) for n, t, _ in COLUMNS]
     return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
+
+
+def _deep_ones_malformed(batches: list[Batch | Gap], first_batch_index: int,
+                         raw_frames: str) -> pa.RecordBatch:
+    """The rare slow path: batch by batch, a batch holding a value nested too deep becomes a
+    Malformed row that keeps its raw frames (the bytes are the record of what arrived)."""
+    parts = []
+    index = first_batch_index
+    for batch in batches:
+        try:
+            parts.append(_to_record_batch([batch], index, raw_frames))
+        except (NestingTooDeep, RecursionError):
+            assert type(batch) is Batch
+            bad = dataclasses.replace(batch, events=[], error=f"not recorded as events: a value "
+                                      f"nests deeper than {MAX_DEPTH} levels (raw frames kept)")
+            parts.append(_to_record_batch([bad], index, raw_frames))
+        if type(batch) is not Gap:
+            index += 1
+    return pa.Table.from_batches(parts, SCHEMA).combine_chunks().to_batches()[0]
 
 
 def _batch_values(batch: Batch | Gap) -> tuple[list[Any], dict[str, Any]]:

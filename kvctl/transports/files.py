@@ -34,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ import pyarrow.parquet as pq
 from .. import __version__
 from ..events import Batch
 from ..formats.parquet import (
+    SCHEMA,
     SCHEMA_VERSION,
     Gap,
     columns_to_pylists,
@@ -51,6 +53,7 @@ from ..formats.parquet import (
     rows_to_batches,
     to_json_value,
 )
+from ..redact import redact_metadata, redact_url
 from .journal import (
     DEFAULT_ZSTD_LEVEL,
     JOURNAL_FORMAT,
@@ -59,22 +62,27 @@ from .journal import (
     Chunk,
     Converter,
     JournalWriter,
+    NotAJournal,
+    OutputExists,
     RowBuffer,
     event_batches,
     exact_row,
     gap_row,
+    journal_header,
     journal_metadata,
     journal_to_parquet,
     message_fields,
     message_fields_unlabelled,
     read_journal,
     remove_stale_temps,
+    writer_running,
 )
 from .journal import Counts as _Counts
 
 __all__ = ["RecordingWriter", "recover", "open_recording", "recording_info", "Gap",
            "MANIFEST_NAME", "JOURNAL_SUFFIX", "read_journal", "DEFAULT_ZSTD_LEVEL",
-           "ROW_GROUP_ROWS"]
+           "ROW_GROUP_ROWS", "NotAJournal", "OutputExists", "NotARecording",
+           "output_conflict", "leftover_journals", "RecorderRunning"]
 
 JOURNAL_SUFFIX = ".journal"
 MANIFEST_NAME = "_manifest.json"
@@ -89,6 +97,67 @@ MAX_READY_CHUNKS = 16  # built chunks waiting for the I/O thread before the call
 
 def _journal_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     return journal_metadata(path)
+
+
+class RecorderRunning(ValueError):
+    """The journal belongs to a recorder that is still running: not ours to convert."""
+
+
+class NotARecording(ValueError):
+    """A file or directory that kvctl did not write (or not in a shape it can read)."""
+
+
+def _journal_of(path: Path) -> Path:
+    return path.with_name(path.name + JOURNAL_SUFFIX)
+
+
+def leftover_journals(path: str | os.PathLike[str]) -> list[Path]:
+    """Journals a killed recorder left at ``path`` (a recording file or segment directory)."""
+    path = Path(path)
+    if path.is_dir():
+        return sorted(e for e in path.iterdir() if _SEGMENT_JOURNAL_RE.match(e.name))
+    journal = _journal_of(path)
+    return [journal] if journal.exists() else []
+
+
+def _is_kvctl_entry(name: str) -> bool:
+    return bool(_SEGMENT_RE.match(name) or _SEGMENT_JOURNAL_RE.match(name)
+                or name == MANIFEST_NAME or name.startswith((".part-", f".{MANIFEST_NAME}")))
+
+
+def output_conflict(path: str | os.PathLike[str], segmented: bool, overwrite: bool = False,
+                    append: bool = False, options: bool = True) -> str | None:
+    """Why recording to ``path`` would destroy or mix in data this run did not write, with
+    the remedy; None when it is safe. A recording file is replaced only with ``overwrite``;
+    a segment directory must be new or empty, or, with ``append``, hold a kvctl recording
+    (new segments are numbered after its last). An unconverted journal is never touched.
+    ``options``: name record's ``--overwrite``/``--append`` in the remedy."""
+    path = Path(path)
+    journals = leftover_journals(path) if path.exists() or _journal_of(path).exists() else []
+    if journals:
+        return (f"{journals[0]} is the journal of a recording that was never converted; run "
+                f"`kvctl recover {path}` first (or move it away)")
+    if not segmented:
+        if path.is_dir():
+            return (f"{path} is a directory; give a file path (run.parquet), or write "
+                    "segments into a directory with --rotate-size/--rotate-every")
+        if path.exists() and not overwrite:
+            how = ", or --overwrite to replace it" if options else " (or remove it first)"
+            return f"{path} exists; give a new path{how}"
+        return None
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return f"{path} is a file; rotation writes a directory of segments"
+    names = [e.name for e in path.iterdir()]
+    if not names:
+        return None
+    if not append:
+        how = ", or --append to add segments to the recording in it" if options else ""
+        return f"{path} is not empty; give a new or empty directory{how}"
+    if not any(_is_kvctl_entry(n) for n in names):
+        return f"{path} holds no kvctl recording; --append adds segments to one"
+    return None
 
 
 # --- the writer ---------------------------------------------------------------------------------
@@ -129,6 +198,8 @@ class RecordingWriter:
         filters: Any = None,
         labels: dict[str, tuple[Any, Any]] | None = None,
         converter: bool = True,
+        overwrite: bool = False,
+        append: bool = False,
     ) -> None:
         """``metadata`` (JSON-able: sources, command line, ...) lands in every file's footer,
         the journal header and the manifest. ``rotate_size`` is in bytes of Parquet
@@ -140,7 +211,11 @@ class RecordingWriter:
         batches given to :meth:`write_message`; the conversion applies it again.
         ``labels``: source address -> (worker label, dp rank label) as the decoder got them
         (``SourceSpec``); then :meth:`write_message` journals no per-message labels.
-        ``converter=False``: no converter process; journals are converted at close."""
+        ``converter=False``: no converter process; journals are converted at close.
+        ``overwrite``: replace an existing recording file (at the end, atomically);
+        ``append``: add segments to the recording in an existing segment directory. Without
+        them, an output holding data raises :class:`OutputExists` (see
+        :func:`output_conflict`)."""
         if rotate_size is not None and rotate_size <= 0:
             raise ValueError("rotate_size must be positive")
         if rotate_every is not None and rotate_every <= 0:
@@ -149,7 +224,12 @@ class RecordingWriter:
         self.rotate_size = rotate_size
         self.rotate_every = rotate_every
         self.segmented = rotate_size is not None or rotate_every is not None
-        self.metadata = dict(metadata or {})
+        conflict = output_conflict(self.path, self.segmented, overwrite, append,
+                                   options=False)
+        if conflict is not None:
+            raise OutputExists(conflict)
+        self.overwrite = overwrite and not self.segmented
+        self.metadata = redact_metadata(metadata or {})  # footer, journal, manifest: no secrets
         self.flush_interval = flush_interval
         self.flush_rows = flush_rows
         self.fsync = fsync
@@ -159,7 +239,8 @@ class RecordingWriter:
                         if filters is not None else None)
         self.start_ns = time.time_ns()
 
-        self.labels = ({k: to_json_value(list(v)) for k, v in labels.items()}
+        # keyed as the journal's (redacted) source column is
+        self.labels = ({redact_url(k): to_json_value(list(v)) for k, v in labels.items()}
                        if labels is not None else None)
         self._fields = message_fields if labels is None else message_fields_unlabelled
         self._buf = RowBuffer(labelled=labels is None)  # what the receive loop appends to
@@ -184,6 +265,8 @@ class RecordingWriter:
 
         if self.segmented:
             self.path.mkdir(parents=True, exist_ok=True)
+            if append:
+                self._continue_segments()
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._boundary = self._next_boundary(time.time()) if rotate_every else None
@@ -366,6 +449,20 @@ class RecordingWriter:
 
     # -- internals -------------------------------------------------------------------------------
 
+    def _continue_segments(self) -> None:
+        """--append: keep the directory's segments in the manifest; number new segments and
+        batches after them (readers take the directory in segment order)."""
+        for entry in _segment_files(self.path):
+            meta = _file_metadata(entry)
+            meta["file"] = entry.name
+            meta["bytes"] = entry.stat().st_size
+            meta["segment"] = int(_SEGMENT_RE.match(entry.name).group(1))
+            self._segments.append(meta)
+            self._segment = meta["segment"] + 1
+            last = (meta.get("counts") or {}).get("last_batch_index")
+            if isinstance(last, int):
+                self._next_index = max(self._next_index, last + 1)
+
     def _next_boundary(self, now: float) -> float:
         every = self.rotate_every
         assert every is not None
@@ -422,7 +519,7 @@ class RecordingWriter:
         info: dict[str, Any] = {
             "kvctl_version": __version__, "schema_version": SCHEMA_VERSION,
             "journal_format": JOURNAL_FORMAT, "metadata": self.metadata,
-            "start_ns": self.start_ns, "opened_ns": time.time_ns(),
+            "start_ns": self.start_ns, "opened_ns": time.time_ns(), "writer_pid": os.getpid(),
             "first_batch_index": self._next_index, "raw_frames": self.raw_frames}
         if self.filters is not None:
             info["filters"] = self.filters
@@ -446,7 +543,8 @@ class RecordingWriter:
         self._open.append(_Segment(self._journal, target))
         if self._converter is not None:
             self._converter.send({"op": "open", "journal": str(path), "target": str(target),
-                                  "offset": self._journal.offset})
+                                  "offset": self._journal.offset,
+                                  "overwrite": self.overwrite})
         return self._journal
 
     def _seal(self, end_ns: int) -> None:
@@ -496,7 +594,7 @@ class RecordingWriter:
         for seg in self._open:  # start over from the journals: they are the truth
             j = seg.journal
             new.send({"op": "open", "journal": str(j.path), "target": str(seg.target),
-                      "offset": j.offset})
+                      "offset": j.offset, "overwrite": self.overwrite})
             if seg.sealed_info is not None:
                 new.send({"op": "seal", "journal": str(j.path), "offset": j.offset,
                           "info": seg.sealed_info})
@@ -507,6 +605,8 @@ class RecordingWriter:
                 self._done(msg["journal"], msg["meta"], msg.get("journal_bytes", 0))
             elif msg.get("op") == "bye":
                 self.converter_info["peak_rss_kb"] = msg.get("peak_rss_kb")
+            elif msg.get("op") == "failed":  # its journal is converted here at close
+                self.converter_info.setdefault("failures", []).append(msg.get("error"))
 
     def _done(self, journal: str, meta: dict[str, Any], journal_bytes: int) -> None:
         seg = next((s for s in self._open if str(s.journal.path) == journal), None)
@@ -554,7 +654,8 @@ class RecordingWriter:
             meta = _file_metadata(seg.target)  # converted; the converter died before telling
             meta["bytes"] = seg.target.stat().st_size
         else:
-            meta = journal_to_parquet(path, seg.target, info, self.compression_level)
+            meta = journal_to_parquet(path, seg.target, info, self.compression_level,
+                                      self.overwrite)
             self.converter_info["inline_conversions"] += 1
         self._done(str(path), meta, seg.journal.bytes)
 
@@ -593,44 +694,98 @@ def _write_manifest(directory: Path, segments: list[dict[str, Any]], metadata: d
 # --- recover ------------------------------------------------------------------------------------
 
 
-def recover(journal_path: str | os.PathLike[str]) -> Path:
+def recover(journal_path: str | os.PathLike[str],
+            output: str | os.PathLike[str] | None = None) -> Path:
     """Turn what a crashed recorder left into Parquet; returns the recording's path.
 
     Accepts a journal (``run.parquet.journal``), the recording path whose journal exists
     (``run.parquet``), or a segment directory (every leftover segment journal is converted
     and the manifest rebuilt). Every complete record batch in the journal is kept.
+
+    Nothing that this call did not write is replaced or removed: a file that is not a kvctl
+    journal raises :class:`NotAJournal`; an existing output that is not this journal's
+    conversion raises :class:`OutputExists` (recover to ``output`` instead); the journal is
+    removed only once a complete output holding all of it is in place.
     """
     path = Path(journal_path)
     if path.is_dir():
+        if output is not None:
+            raise NotARecording(f"{path}: a segment directory is recovered in place (no -o)")
         return _recover_directory(path)
     if not path.name.endswith(JOURNAL_SUFFIX):
-        candidate = path.with_name(path.name + JOURNAL_SUFFIX)
+        candidate = _journal_of(path)
         if not candidate.exists():
             raise FileNotFoundError(f"no journal to recover at {candidate}")
         path = candidate
-    if _SEGMENT_JOURNAL_RE.match(path.name):
+    if _SEGMENT_JOURNAL_RE.match(path.name) and output is None:
         return _recover_directory(path.parent)
-    target = path.with_name(path.name[: -len(JOURNAL_SUFFIX)])
-    _recover_one(path, target)
+    target = Path(output) if output is not None else \
+        path.with_name(path.name[: -len(JOURNAL_SUFFIX)])
+    _recover_one(path, target, explicit=output is not None)
     return target
 
 
-def _recover_one(journal: Path, target: Path) -> dict[str, Any]:
-    info = _journal_metadata(journal)
+def _recover_one(journal: Path, target: Path, explicit: bool = False) -> dict[str, Any]:
+    info = journal_header(journal)
+    pid = writer_running(info)
+    if pid is not None:
+        raise RecorderRunning(f"{journal} is being written by a running recorder (pid {pid}); "
+                              "stop it instead (Ctrl-C or SIGTERM converts it)")
     remove_stale_temps(target)
     if target.exists():
-        # A crash between the rename and the unlink: the Parquet file is already complete.
-        journal.unlink()
-        return _file_metadata(target)
+        if not explicit and _converted_from(target, journal, info):
+            # A crash between the rename and the unlink: the Parquet file is already complete.
+            journal.unlink()
+            return _file_metadata(target)
+        hint = "" if explicit else " with -o NEW.parquet"
+        raise OutputExists(f"{target} exists and is not this journal's recording; recover "
+                           f"to a new path{hint} ({journal} is kept)")
     info.update(recovered=True, recovered_ns=time.time_ns())
-    return journal_to_parquet(journal, target, info)
+    return journal_to_parquet(journal, target, info, overwrite=False)
+
+
+def _converted_from(target: Path, journal: Path, info: dict[str, Any]) -> bool:
+    """``target`` is the complete conversion of ``journal``: the same recorder segment (start
+    and open times) and at least as many batches and gaps as the journal holds."""
+    try:
+        meta = _file_metadata(target)
+    except (OSError, ValueError):
+        return False
+    if not meta or (meta.get("start_ns"), meta.get("opened_ns")) != (
+            info.get("start_ns"), info.get("opened_ns")):
+        return False
+    counts = meta.get("counts") or {}
+    journalled = sum(rb.num_rows for rb in read_journal(journal))
+    return int(counts.get("batches", 0)) + int(counts.get("gaps", 0)) >= journalled
 
 
 def _recover_directory(directory: Path) -> Path:
+    names = [e.name for e in directory.iterdir()]
+    if not any(_is_kvctl_entry(n) for n in names):
+        raise NotARecording(f"{directory}: no kvctl recording here (no segments, journals or "
+                            "manifest); nothing changed")
+    old_manifest: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        old_manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    if not leftover_journals(directory) and old_manifest.get("complete"):
+        raise FileNotFoundError(f"no journal to recover in {directory} (its recording is "
+                                "complete); nothing changed")
+    for entry in sorted(directory.iterdir()):  # a live recorder's directory is its own
+        if _SEGMENT_JOURNAL_RE.match(entry.name):
+            with contextlib.suppress(NotAJournal):
+                pid = writer_running(journal_header(entry))
+                if pid is not None:
+                    raise RecorderRunning(
+                        f"{directory} is being written by a running recorder (pid {pid}); "
+                        "stop it instead (Ctrl-C or SIGTERM converts it); nothing changed")
+    refused: list[str] = []
     for entry in sorted(directory.iterdir()):
         m = _SEGMENT_JOURNAL_RE.match(entry.name)
         if m:
-            _recover_one(entry, directory / entry.name[1: -len(JOURNAL_SUFFIX)])
+            try:
+                _recover_one(entry, directory / entry.name[1: -len(JOURNAL_SUFFIX)])
+            except (NotAJournal, OutputExists, RecorderRunning) as exc:
+                refused.append(str(exc))
     for entry in list(directory.glob(".part-*.tmp")):
         remove_stale_temps(directory / (entry.name[1:].split(".parquet.")[0] + ".parquet"))
     segments = []
@@ -647,7 +802,10 @@ def _recover_directory(directory: Path) -> Path:
         old = json.loads((directory / MANIFEST_NAME).read_text())
     extra = {k: old.get(k) for k in ("start_ns", "rotate_size", "rotate_every")}
     extra.update(end_ns=None, recovered=True)
-    _write_manifest(directory, segments, old.get("metadata", metadata), True, extra)
+    _write_manifest(directory, segments, old.get("metadata", metadata), not refused, extra)
+    if refused:
+        raise OutputExists(refused[0] + (f" (and {len(refused) - 1} more)"
+                                         if len(refused) > 1 else ""))
     return directory
 
 
@@ -661,7 +819,65 @@ def _segment_files(directory: Path) -> list[Path]:
 
 
 def _sources(path: Path) -> list[tuple[str, Path]]:
-    """(kind, path) of everything that holds rows, in recorded order."""
+    """(kind, path) of everything that holds rows, in recorded order; each one checked to be
+    a kvctl recording or journal whose columns have the schema's types (else
+    :class:`NotARecording`: one clear line rather than a traceback or "0 events")."""
+    found = _find_sources(path)
+    for kind, p in found:
+        label = "" if p == path else f"{p.name}: "
+        if kind == "parquet":
+            _check_parquet(p, label)
+        else:
+            try:
+                journal_header(p)
+            except NotAJournal:
+                raise NotARecording(f"{label}not a kvctl recording (not a kvctl journal)") \
+                    from None
+    return found
+
+
+def _type_fits(actual: pa.DataType, expected: pa.DataType) -> bool:
+    """``actual`` reads back as ``expected`` (dictionary or plain strings, list field names
+    and 32/64-bit offsets aside)."""
+    if actual.equals(expected):
+        return True
+    if pa.types.is_dictionary(expected):
+        value = actual.value_type if pa.types.is_dictionary(actual) else actual
+        return pa.types.is_string(value) or pa.types.is_large_string(value)
+    if pa.types.is_list(expected) or pa.types.is_large_list(expected):
+        return (pa.types.is_list(actual) or pa.types.is_large_list(actual)) and \
+            _type_fits(actual.value_type, expected.value_type)
+    if pa.types.is_binary(expected):
+        return pa.types.is_large_binary(actual)
+    if pa.types.is_string(expected):
+        return pa.types.is_large_string(actual)
+    return False
+
+
+def _check_parquet(p: Path, label: str) -> None:
+    pf = pq.ParquetFile(p)
+    raw = (pf.metadata.metadata or {}).get(METADATA_KEY.encode())
+    if raw is None:
+        raise NotARecording(f"{label}not a kvctl recording (no kvctl metadata)")
+    try:
+        version = json.loads(raw).get("schema_version")
+    except (ValueError, AttributeError):
+        raise NotARecording(f"{label}damaged kvctl metadata (not a JSON object)") from None
+    if type(version) is not int or version > SCHEMA_VERSION:
+        raise NotARecording(f"{label}recording schema version {version!r}; this kvctl reads "
+                            f"version {SCHEMA_VERSION} (upgrade kvctl)")
+    schema = pf.schema_arrow
+    for name, expected in zip(SCHEMA.names, SCHEMA.types, strict=True):
+        index = schema.get_field_index(name)
+        if index < 0:
+            raise NotARecording(f"{label}column {name} is missing (a kvctl recording of "
+                                f"schema {SCHEMA_VERSION} has it)")
+        actual = schema.field(index).type
+        if not _type_fits(actual, expected):
+            raise NotARecording(f"{label}column {name} has type {actual}, expected {expected}")
+
+
+def _find_sources(path: Path) -> list[tuple[str, Path]]:
     if path.is_dir():
         items: list[tuple[int, str, Path]] = []
         for e in path.iterdir():
@@ -696,24 +912,59 @@ def _record_batches(path: Path, columns: list[str] | None = None,
 def open_recording(path: str | os.PathLike[str], include_gaps: bool = False,
                    batch_size: int = 16 * 1024) -> Iterator[Batch | Gap]:
     """Iterate the batches of a recording (file, segment directory or journal), in recorded
-    order, with their events and raw frames. ``include_gaps`` also yields :class:`Gap`."""
-    pending: dict[str, list[Any]] | None = None
-    for rb in _record_batches(Path(path), batch_size=batch_size):
+    order, with their events and raw frames. ``include_gaps`` also yields :class:`Gap`.
+
+    A batch's rows may straddle many chunks (a million-event batch spans dozens): its pieces
+    are held and joined once, when the batch is complete, so reading stays linear. Rows no
+    kvctl writer produces (a damaged or doctored file) raise :class:`NotARecording`."""
+    try:
+        yield from _read_batches(Path(path), include_gaps, batch_size)
+    except _DAMAGE as exc:
+        raise NotARecording(f"damaged recording ({type(exc).__name__}: {exc})") from None
+
+
+# What rows that passed the schema check can still raise when a file was damaged or doctored.
+_DAMAGE = (RecursionError, KeyError, TypeError, IndexError, AttributeError, OverflowError)
+
+
+def _read_batches(path: Path, include_gaps: bool, batch_size: int) -> Iterator[Batch | Gap]:
+    held: list[dict[str, list[Any]]] = []  # pieces of the batch that straddles chunks
+    held_index: Any = None
+    for rb in _record_batches(path, batch_size=batch_size):
         cols = columns_to_pylists(rb)
-        if pending is not None:
-            cols = {k: pending[k] + v for k, v in cols.items()}
         bi = cols["batch_index"]
         n = len(bi)
-        # A batch's rows may straddle two chunks: hold the last group back until the next.
+        start = 0
+        if held:
+            while start < n and bi[start] == held_index:
+                start += 1
+            if start:
+                held.append({k: v[:start] for k, v in cols.items()})
+            if start == n:
+                continue
+            yield from _joined_batches(held, include_gaps)
+            held = []
+        # Hold the last group back: its rows may go on in the next chunk.
         cut = n
-        if n and bi[-1] is not None:
+        if n > start and bi[-1] is not None:
             cut = n - 1
-            while cut > 0 and bi[cut - 1] == bi[-1]:
+            while cut > start and bi[cut - 1] == bi[-1]:
                 cut -= 1
-        yield from rows_to_batches(cols, 0, cut, include_gaps)
-        pending = {k: v[cut:] for k, v in cols.items()} if cut < n else None
-    if pending is not None:
-        yield from rows_to_batches(pending, 0, len(pending["batch_index"]), include_gaps)
+        yield from rows_to_batches(cols, start, cut, include_gaps)
+        if cut < n:
+            held = [{k: v[cut:] for k, v in cols.items()}]
+            held_index = bi[-1]
+    if held:
+        yield from _joined_batches(held, include_gaps)
+
+
+def _joined_batches(pieces: list[dict[str, list[Any]]],
+                    include_gaps: bool) -> list[Batch | Gap]:
+    if len(pieces) == 1:
+        cols = pieces[0]
+    else:
+        cols = {k: list(chain.from_iterable(p[k] for p in pieces)) for k in pieces[0]}
+    return rows_to_batches(cols, 0, len(cols["batch_index"]), include_gaps)
 
 
 def _file_metadata(path: Path) -> dict[str, Any]:
@@ -730,7 +981,13 @@ def recording_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Everything ``kvctl inspect`` shows, computed by scanning the recording column-wise:
     schema version, metadata, files and sizes, time range, seq range per publisher, counts by
     type and worker, gaps, malformed count, and size on disk / raw frame bytes."""
-    root = Path(path)
+    try:
+        return _recording_info(Path(path))
+    except _DAMAGE as exc:
+        raise NotARecording(f"damaged recording ({type(exc).__name__}: {exc})") from None
+
+
+def _recording_info(root: Path) -> dict[str, Any]:
     sources = _sources(root)
     files = []
     metadata: dict[str, Any] = {}
@@ -752,10 +1009,13 @@ def recording_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     ts_lo = ts_hi = None
     for rb in _record_batches(root, columns=_INFO_COLUMNS, batch_size=64 * 1024):
         counts.add_record_batch(rb)
-        for key, col in (("type", rb.column("type")), ("worker_id", None)):
-            if key == "worker_id":
-                events = pc.is_valid(rb.column("event_index"))
-                col = rb.column("worker_id").filter(events)
+        # Counts by type and worker are of events (event_index set): kvctl's own rows (Gap,
+        # Malformed, a batch without events) have none, so a producer's event named "Gap"
+        # is counted as an event and never as a gap (gaps and malformed come from the
+        # batch_index and error columns).
+        events = pc.is_valid(rb.column("event_index"))
+        for key in ("type", "worker_id"):
+            col = rb.column(key).filter(events)
             vc = pc.value_counts(col.cast(pa.string()))
             target = by_type if key == "type" else by_worker
             for item in vc.to_pylist():
@@ -795,7 +1055,7 @@ def recording_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         "path": str(root),
         "schema_version": schema_version,
         "kvctl_version": _first_version(sources),
-        "metadata": metadata,
+        "metadata": redact_metadata(metadata),  # recordings of older versions held secrets
         "files": files,
         "bytes": size,
         "raw_bytes": raw,

@@ -52,10 +52,12 @@ from ..formats.parquet import (
     SCHEMA,
     SCHEMA_VERSION,
     Gap,
+    NestingTooDeep,
     batches_to_record_batch,
     from_json_value,
     to_json_value,
 )
+from ..redact import redact_url
 
 JOURNAL_FORMAT = 2
 METADATA_KEY = "kvctl"
@@ -113,14 +115,19 @@ def _text(v: Any) -> str | None:
 
 def exact_row(batch: Batch) -> tuple[tuple, list[bytes]]:
     """A batch recorded as is: (row, frames); every field but the frames as tagged JSON."""
-    fields = {"kind": "batch", "source": batch.source, "events": batch.events,
+    source = redact_url(batch.source) if type(batch.source) is str else batch.source
+    fields = {"kind": "batch", "source": source, "events": batch.events,
               "format": batch.format, "topic": batch.topic, "seq": batch.seq, "ts": batch.ts,
               "recv_ns": batch.recv_ns, "worker_id": batch.worker_id,
               "dp_rank": batch.dp_rank, "error": batch.error, "recovered": batch.recovered,
               "publisher": batch.publisher}
-    row = (_fit_int(batch.recv_ns), _text(batch.source), _text(batch.topic), None, None,
-           batch.recovered is True, None if batch.error is None else "error",
-           _dumps(to_json_value(fields)))
+    try:
+        exact = _dumps(to_json_value(fields))
+    except NestingTooDeep as exc:  # recorded as what it is: a message kvctl cannot hold
+        fields.update(events=[], error=f"not recorded as events: {exc} (raw frames kept)")
+        exact = _dumps(to_json_value(fields))
+    row = (_fit_int(batch.recv_ns), _text(source), _text(batch.topic), None, None,
+           batch.recovered is True, None if fields["error"] is None else "error", exact)
     return row, [bytes(f) for f in batch.frames]
 
 
@@ -128,9 +135,11 @@ _GAP_PREFIX = '{"kind":"gap"'
 
 
 def gap_row(gap: Gap) -> tuple[tuple, list[bytes]]:
-    fields = {"kind": "gap", "publisher": gap.publisher, "from_seq": gap.from_seq,
-              "to_seq": gap.to_seq, "recv_ns": gap.recv_ns, "source": gap.source}
-    row = (_fit_int(gap.recv_ns), _text(gap.source), None, None, None, None, None,
+    source = redact_url(gap.source) if type(gap.source) is str else gap.source
+    publisher = redact_url(gap.publisher) if type(gap.publisher) is str else gap.publisher
+    fields = {"kind": "gap", "publisher": publisher, "from_seq": gap.from_seq,
+              "to_seq": gap.to_seq, "recv_ns": gap.recv_ns, "source": source}
+    row = (_fit_int(gap.recv_ns), _text(source), None, None, None, None, None,
            _dumps(to_json_value(fields)))
     return row, []
 
@@ -226,6 +235,8 @@ class RowBuffer:
                 continue
             if i in (3, 4):
                 col = _labels(col)
+            elif i == 1:
+                col = _redacted(col)
             try:
                 arrays.append(pa.array(col, type=ftype))
             except (TypeError, ValueError, OverflowError, pa.ArrowException):
@@ -244,6 +255,18 @@ class RowBuffer:
             chunk.missing += g["to_seq"] - g["from_seq"] + 1
         chunk.raw_bytes = len(data)
         return chunk
+
+
+def _redacted(sources: Any) -> Any:
+    """Source URLs without credentials (nats://u:***@host): computed once per distinct value,
+    so the journal, and the Parquet file decoded from it, never hold a password."""
+    try:
+        table = {v: redact_url(v) if type(v) is str else v for v in set(sources)}
+    except TypeError:  # an unhashable source from a library caller
+        return [redact_url(v) if type(v) is str else v for v in sources]
+    if all(k is v for k, v in table.items()):
+        return sources
+    return list(map(table.__getitem__, sources))
 
 
 def _labels(values: tuple) -> list[str]:
@@ -334,6 +357,32 @@ def journal_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     schema = journal_schema(path)
     raw = (schema.metadata or {}).get(METADATA_KEY.encode()) if schema is not None else None
     return json.loads(raw) if raw else {}
+
+
+class NotAJournal(ValueError):
+    """A file that is not a kvctl journal: refused, never converted or removed."""
+
+
+def journal_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The header of a kvctl journal, or :class:`NotAJournal` (the file is left as it is).
+
+    A kvctl journal is an Arrow IPC stream whose schema carries the ``kvctl`` metadata key
+    (kvctl version, journal format) and the journal's columns (format 2) or the recording
+    schema's (format 1)."""
+    schema = journal_schema(path)
+    if schema is None:
+        raise NotAJournal(f"{path}: not a kvctl journal (not an Arrow IPC stream); left "
+                          "untouched")
+    raw = (schema.metadata or {}).get(METADATA_KEY.encode())
+    try:
+        info = json.loads(raw) if raw else None
+    except ValueError:
+        info = None
+    if type(info) is not dict or "journal_format" not in info and "kvctl_version" not in info:
+        raise NotAJournal(f"{path}: not a kvctl journal (no kvctl header); left untouched")
+    if schema.names not in (JOURNAL_SCHEMA.names, SCHEMA.names):
+        raise NotAJournal(f"{path}: not a kvctl journal (unexpected columns); left untouched")
+    return info
 
 
 class Decoder:
@@ -512,6 +561,19 @@ def remove_stale_temps(target: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
+def writer_running(info: dict[str, Any]) -> int | None:
+    """The pid of the kvctl process still writing the journal with header ``info``, if any
+    (a pid reused by another program does not count)."""
+    pid = info.get("writer_pid")
+    if type(pid) is not int or pid == os.getpid() or not _alive(pid):
+        return None
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return pid if b"kvctl" in f.read() else None
+    except OSError:
+        return pid  # no /proc: trust the pid
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -522,7 +584,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
-_JOURNAL_ONLY = ("journal_format", "first_batch_index", "raw_frames")
+class OutputExists(FileExistsError):
+    """The output path holds a file this run did not write."""
+
+
+def publish(tmp: Path, target: Path, overwrite: bool) -> None:
+    """Move a complete ``tmp`` to ``target`` atomically. Without ``overwrite`` an existing
+    target is never replaced: a hard link fails if the name is taken (no check-then-rename
+    race); file systems without hard links fall back to a checked rename."""
+    if overwrite:
+        os.replace(tmp, target)
+        return
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise OutputExists(f"{target} exists (written by someone else); not replaced") from None
+    except OSError:
+        if target.exists():
+            raise OutputExists(f"{target} exists (written by someone else); not replaced") \
+                from None
+        os.rename(tmp, target)
+        return
+    tmp.unlink()
+
+
+_JOURNAL_ONLY = ("journal_format", "first_batch_index", "raw_frames", "writer_pid")
 
 
 class ParquetOutput:
@@ -551,7 +637,11 @@ class ParquetOutput:
             self.writer.write_table(pa.Table.from_batches(self.pending, SCHEMA))
             self.pending, self.pending_rows = [], 0
 
-    def finish(self, info: dict[str, Any], journal: Path | None) -> dict[str, Any]:
+    def finish(self, info: dict[str, Any], journal: Path | None,
+               overwrite: bool = False) -> dict[str, Any]:
+        """Complete the file and move it into place; only then remove ``journal``. An
+        existing target is replaced only with ``overwrite`` (else :class:`OutputExists`,
+        and the journal stays)."""
         try:
             self._write()
             meta = {k: v for k, v in info.items() if k not in _JOURNAL_ONLY}
@@ -564,7 +654,11 @@ class ParquetOutput:
         except BaseException:
             self.abort()
             raise
-        os.replace(self.tmp, self.target)
+        try:
+            publish(self.tmp, self.target, overwrite)
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(self.target.parent)
         if journal is not None:
             journal.unlink(missing_ok=True)
@@ -578,7 +672,8 @@ class ParquetOutput:
 
 
 def journal_to_parquet(journal: Path, target: Path, info: dict[str, Any],
-                       compression_level: int = DEFAULT_ZSTD_LEVEL) -> dict[str, Any]:
+                       compression_level: int = DEFAULT_ZSTD_LEVEL,
+                       overwrite: bool = False) -> dict[str, Any]:
     """Convert a whole (possibly torn) journal in this process; returns the file's metadata
     (with counts, and ``mismatches`` if a re-decoded message disagreed with the journal)."""
     decoder = Decoder(journal_metadata(journal) or info)
@@ -591,7 +686,7 @@ def journal_to_parquet(journal: Path, target: Path, info: dict[str, Any],
         raise
     if decoder.mismatches:
         info = {**info, "mismatches": decoder.mismatches}
-    return out.finish(info, journal)
+    return out.finish(info, journal, overwrite)
 
 
 # --- the converter process ----------------------------------------------------------------------
@@ -602,6 +697,7 @@ class _Task:
         self.journal = Path(msg["journal"])
         self.target = Path(msg["target"])
         self.committed = int(msg.get("offset", 0))
+        self.overwrite = bool(msg.get("overwrite", False))
         self.sealed: dict[str, Any] | None = None
         self.level = level
         self.file: Any = None
@@ -643,7 +739,7 @@ class _Task:
         info = dict(self.sealed)
         if self.decoder.mismatches:
             info["mismatches"] = self.decoder.mismatches
-        return self.out.finish(info, self.journal)
+        return self.out.finish(info, self.journal, self.overwrite)
 
     def abort(self) -> None:
         if self.file is not None:
@@ -705,11 +801,23 @@ def main() -> int:
             _emit({"op": "ready", "pid": os.getpid()})
         if tasks:
             task = tasks[0]
-            if task.step():
+            try:
+                stepped = task.step()
+            except Exception as exc:  # never a traceback, never a stray temp file: the
+                tasks.pop(0)  # journal stays, and the recorder converts it or says why
+                task.abort()
+                _emit({"op": "failed", "journal": str(task.journal), "error": str(exc)})
+                continue
+            if stepped:
                 _emit({"op": "progress", "journal": str(task.journal), "pos": task.pos})
             elif task.sealed is not None:
-                meta = task.finish()
                 tasks.pop(0)
+                try:
+                    meta = task.finish()
+                except Exception as exc:  # e.g. the target appeared: the journal stays
+                    task.abort()
+                    _emit({"op": "failed", "journal": str(task.journal), "error": str(exc)})
+                    continue
                 _emit({"op": "done", "journal": str(task.journal), "meta": meta,
                        "journal_bytes": task.committed})
         elif exiting:

@@ -1,0 +1,68 @@
+"""No input can ruin a recording (issue 10, item 2): a message holding a value nested far
+deeper than any KV event is recorded as Malformed with its raw frames, and the recording and
+its journal stay readable by every command."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import msgpack
+import pytest
+from conftest import finish, removed, run_kvctl, start_kvctl
+
+from kvctl.formats import decode_zmq
+from kvctl.transports.files import RecordingWriter
+
+
+def deep_payload(levels: int = 500) -> bytes:
+    value: object = 1
+    for _ in range(levels):
+        value = [value]
+    event = {"type": "BlockStored", "block_hashes": [2], "parent_block_hash": None,
+             "token_ids": [1, 2], "block_size": 2, "nested": value}
+    return msgpack.packb([1_700_000_000.5, [event], 0])  # ~1 KB
+
+
+def test_a_deeply_nested_value_is_recorded_as_malformed(engine, tmp_path):
+    path = tmp_path / "deep.parquet"
+    payload = deep_payload()
+    proc = start_kvctl("record", engine.endpoint, "-o", str(path), "--idle-timeout", "1.5")
+    engine.wait_for()
+    engine.send([removed([1])])
+    engine.send_raw([b"", (1).to_bytes(8, "big"), payload])
+    engine.seq = 2
+    engine.send([removed([3])])
+    rc, _, err = finish(proc, timeout=60)
+    assert rc == 0 and "Traceback" not in err, err
+    assert path.exists() and not Path(str(path) + ".journal").exists()
+    info = json.loads(run_kvctl("inspect", str(path), "--json").stdout)
+    assert (info["batches"], info["events"], info["malformed"], info["gaps"]) == (3, 2, 1, 0)
+    cat = run_kvctl("cat", str(path), "--json")
+    assert cat.returncode == 0 and "nests deeper than" in cat.stderr.decode(), cat.stderr
+    assert [json.loads(x)["block_hashes"] for x in cat.stdout.splitlines()] == [[1], [3]]
+    from kvctl.transports.files import open_recording
+    assert [b.frames[2] for b in open_recording(path) if b.error] == [payload]
+
+
+@pytest.mark.parametrize("command", [["cat"], ["inspect"], ["check"], ["recover"]])
+def test_a_journal_holding_a_deep_value_stays_readable(tmp_path, command):
+    payload = deep_payload()
+    work = Path(tempfile.mkdtemp(dir=tmp_path))
+    w = RecordingWriter(work / "run.parquet", background=False, converter=False)
+    for seq, frames in enumerate([msgpack.packb([1.5, [{"type": "AllBlocksCleared"}], 0]),
+                                  payload]):
+        w.write_message(decode_zmq([b"", seq.to_bytes(8, "big"), frames], "tcp://127.0.0.1:1"))
+    w.flush()  # the recorder "died" here: only the journal is left
+    journal = tmp_path / "run.parquet.journal"
+    shutil.copyfile(work / journal.name, journal)
+    target = journal if command != ["recover"] else tmp_path / "run.parquet"
+    result = run_kvctl(*command, str(target))
+    err = result.stderr.decode()
+    assert "Traceback" not in err and result.returncode in (0, 3), err
+    if command == ["recover"]:
+        assert result.returncode == 0 and not journal.exists()
+        info = json.loads(run_kvctl("inspect", str(target), "--json").stdout)
+        assert (info["batches"], info["events"], info["malformed"]) == (2, 1, 1)
