@@ -110,6 +110,7 @@ def command(**params: Any) -> None:
     summary = Summary()
     progress = None
     interrupted = False
+    write_error: OSError | None = None
     try:  # from here on, whatever happens, the writer is closed and the recording readable
         shown = ", ".join(map(redact_url, params["sources"]))
         diagnostics.say(f"kvctl: recording {shown} -> "
@@ -126,18 +127,27 @@ def command(**params: Any) -> None:
     except KeyboardInterrupt:
         summary.stopped_by = "interrupt"
         interrupted = True
+    except OSError as exc:  # disk full, file system gone: reported below, after closing
+        summary.stopped_by = "write error"
+        write_error = exc
     finally:
         if progress is not None:
             progress.stop()
         source.close()
         try:
             result = writer.close()
-        except OSError as exc:  # disk full, file system gone: what was flushed is recoverable
-            elsewhere = " -o NEW.parquet" if isinstance(exc, OutputExists) else ""
-            hint = (f"; `kvctl recover {params['output']}{elsewhere}` restores what was flushed"
-                    if leftover_journals(params["output"]) else "")
-            why = str(exc) if isinstance(exc, OutputExists) else exc.strerror or exc
-            raise TransportError(f"{params['output']}: cannot write: {why}{hint}") from None
+        except OSError as exc:
+            write_error = exc
+    if write_error is not None:  # what was flushed is recoverable; say how much that is
+        elsewhere = " -o NEW.parquet" if isinstance(write_error, OutputExists) else ""
+        journalled = writer.counts["batches"]
+        kept = (f"; {journalled:,} of {plural(summary.batches, 'received batch', thousands=True)}"
+                f" reached the journal" if summary.batches > journalled else "")
+        hint = (f"; `kvctl recover {params['output']}{elsewhere}` restores what was flushed"
+                if leftover_journals(params["output"]) else "")
+        why = (str(write_error) if isinstance(write_error, OutputExists)
+               else write_error.strerror or write_error)
+        raise TransportError(f"{params['output']}: cannot write: {why}{kept}{hint}")
     report = {"summary": summary.to_json(), "recording": result}
     if params["as_json"]:
         click.echo(dumps(report))

@@ -48,7 +48,11 @@ def command(path: str, output: str | None, as_json: bool) -> None:
     except (NotAJournal, NotARecording, OutputExists, RecorderRunning,
             FileNotFoundError) as exc:
         raise TransportError(str(exc)) from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:  # e.g. the disk is still full: the journal stays where it was
+        why = exc.strerror or exc
+        raise TransportError(f"{path}: cannot recover: {why} (the journal is kept; "
+                             "-o NEW.parquet writes elsewhere)") from None
+    except ValueError as exc:
         raise TransportError(f"{path}: cannot recover: {exc}") from None
     if as_json:
         click.echo(dumps({"path": str(recovered), **info}))

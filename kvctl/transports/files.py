@@ -496,6 +496,11 @@ class RecordingWriter:
                 return
 
     def _write_chunk(self, chunk: Chunk) -> None:
+        journal = self._journal or self._open_journal()
+        self._next_index += chunk.batches
+        journal.write(chunk.rb, self.fsync)
+        # counted once in the journal: after a failed write (disk full) the counts say what
+        # `kvctl recover` gets back
         c = self.counts
         c["batches"] += chunk.batches
         c["events"] += chunk.events
@@ -503,9 +508,6 @@ class RecordingWriter:
         c["gaps"] += chunk.gaps
         c["missing"] += chunk.missing
         c["raw_bytes"] += chunk.raw_bytes
-        journal = self._journal or self._open_journal()
-        self._next_index += chunk.batches
-        journal.write(chunk.rb, self.fsync)
         if self._converter is not None:
             self._converter.commit(journal.path, journal.offset)
         if self.rotate_size is not None and journal.bytes * self._ratio >= self.rotate_size:

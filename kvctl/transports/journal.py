@@ -619,7 +619,11 @@ class ParquetOutput:
         self.target = target
         self.tmp = temp_path(target)
         self.counts = Counts()
-        self.writer = pq.ParquetWriter(self.tmp, SCHEMA, **parquet_options(compression_level))
+        try:
+            self.writer = pq.ParquetWriter(self.tmp, SCHEMA, **parquet_options(compression_level))
+        except BaseException:  # a full disk fails on the header: leave no empty temp file
+            self.tmp.unlink(missing_ok=True)
+            raise
         self.pending: list[pa.RecordBatch] = []
         self.pending_rows = 0
 
