@@ -8,6 +8,7 @@ import time
 
 import msgpack
 import nats
+import pytest
 from conftest import finish, free_port, read_line, run_kvctl, start_kvctl
 
 from kvctl.formats.dynamo import encode_envelope, encode_json, router_event, tokens_hash
@@ -77,16 +78,30 @@ def test_subject_in_url_and_pretty_output(nats_server):
     assert "BlockStored" in out and "2 blocks" in out and "worker=4" in out
 
 
-def test_from_start_reads_jetstream_history(nats_server):
+@pytest.mark.parametrize("stop", [["-c", "3"], ["--idle-timeout", "1"]])
+def test_from_start_reads_jetstream_history(tmp_path, stop):
+    from conftest import NatsServer
+
+    server = NatsServer(tmp_path)  # its own JetStream store: only this stream's history
     stream = "namespace-hist-component-backend-kv-events"
     subject = f"{stream}.kv-events"
-    publish(nats_server.url, [(subject, encode_json(router_event(
-        {"type": "BlockRemoved", "block_hashes": [i]}, 9, i))) for i in range(3)], stream=stream)
-    result = run_kvctl("tap", nats_server.url, "--from-start", "--json", "-c", "3")
+    try:
+        publish(server.url, [(subject, encode_json(router_event(
+            {"type": "BlockRemoved", "block_hashes": [i]}, 9, i))) for i in range(3)],
+            stream=stream)
+        result = run_kvctl("tap", server.url, "--from-start", "--json", *stop)
+    finally:
+        server.stop()
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.decode().splitlines()]
     assert [r["block_hashes"] for r in rows] == [[0], [1], [2]]
     assert [r["event_id"] for r in rows] == [0, 1, 2]
+    # the JetStream consumers are closed before the client: no asyncio or nats-py noise
+    err = result.stderr.decode()
+    for noise in ("Task was destroyed", "Unclosed", "Traceback", "Exception ignored",
+                  "never connected"):
+        assert noise not in err, err
+    assert len(err.strip().splitlines()) == 2  # "reading" and the summary
 
 
 def test_malformed_nats_message_is_shown(nats_server):
@@ -103,8 +118,10 @@ def test_malformed_nats_message_is_shown(nats_server):
 def test_unreachable_nats_is_a_clear_error():
     result = run_kvctl("tap", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "1")
     err = result.stderr.decode()
-    assert result.returncode == 1 and "cannot connect to NATS" in err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1  # one line
+    assert result.returncode == 1 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("kvctl: reading") and len(lines) == 2  # one error line
+    assert "cannot connect to NATS after 1 s (connection refused)" in lines[1]
 
 
 def test_nats_credentials_from_options_and_environment(tmp_path):
@@ -112,9 +129,12 @@ def test_nats_credentials_from_options_and_environment(tmp_path):
 
     server = NatsServer(tmp_path, "--user", "kv", "--pass", "s3cret")
     try:
-        denied = run_kvctl("tap", server.url, "--connect-timeout", "2")
+        # waiting does not cure wrong credentials: an error at once, without --connect-timeout
+        started = time.monotonic()
+        denied = run_kvctl("tap", server.url, "--duration", "10")
         assert denied.returncode == 1 and b"Traceback" not in denied.stderr
-        assert b"cannot connect to NATS" in denied.stderr
+        assert b"cannot connect to NATS: authorization violation" in denied.stderr
+        assert time.monotonic() - started < 5
         for args, env in ((["--nats-user", "kv", "--nats-password", "s3cret"], None),
                           ([], {"KVCTL_NATS_USER": "kv", "KVCTL_NATS_PASSWORD": "s3cret"})):
             proc = start_kvctl("tap", server.url, "--json", "-c", "1", *args, env=env)
@@ -135,21 +155,43 @@ async def _publish_auth(url: str) -> None:
     await nc.close()
 
 
-def test_connect_timeout_0_waits_for_a_server_that_starts_later(tmp_path):
-    from conftest import NatsServer
+def test_connect_timeout_0_still_means_wait(tmp_path):
+    """Compatibility: 0 was "wait forever" before waiting became the default."""
+    result = run_kvctl("tap", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "0",
+                       "--duration", "1.5", timeout=20)
+    assert result.returncode == 0 and b"stopped by --duration" in result.stderr
 
-    port = free_port()
-    proc = start_kvctl("tap", f"nats://127.0.0.1:{port}", "--connect-timeout", "0", "--json",
-                       "-c", "1")
-    time.sleep(1.5)  # nothing to wait on: the point is that no server is there yet
-    assert proc.poll() is None, "tap gave up instead of waiting for the server"
-    server = NatsServer(tmp_path, port=port)
+
+def kill_server(server) -> None:
+    """kill -9: the server gets no chance to say goodbye to its clients."""
+    server.proc.kill()
+    server.proc.wait(10)
+
+
+def test_server_restart_mid_run_is_one_line_each_way(tmp_path):
+    from conftest import NatsServer
+    from test_waiting import read_until
+
+    server = NatsServer(tmp_path)
+    proc = start_kvctl("tap", server.url, "--json", "-c", "2")
     try:
         wait_ready(proc)
-        publish(server.url, [("namespace.a.component.b.kv_events",
-                              encode_json(router_event({"type": "AllBlocksCleared"}, 1, 0)))])
-        rc, out, err = finish(proc)
+        subject = "namespace.a.component.b.endpoint.c.kv-events"
+        event = router_event({"type": "AllBlocksCleared"}, 1, 0)
+        publish(server.url, [(subject, encode_envelope([event], 7, 0, 1000))])
+        assert read_line(proc.stdout)
+        kill_server(server)
+        seen = read_until(proc.stderr, "disconnected")
+        server = NatsServer(tmp_path, port=server.port)  # same port, same store
+        seen += read_until(proc.stderr, "reconnected after")
+        publish(server.url, [(subject, encode_envelope([event], 7, 3, 2000))])
+        rc, out, rest = finish(proc)
     finally:
         server.stop()
+    err = "".join(seen) + rest
     assert rc == 0, err
-    assert json.loads(out)["type"] == "AllBlocksCleared"
+    assert len(out.splitlines()) == 1  # the second event (the first was read above)
+    assert "Traceback" not in err and "Error" not in err and "nats: " not in err
+    assert err.count("disconnected") == 1 and err.count("reconnected") == 1
+    assert f"kvctl: {server.url}: disconnected (unexpected EOF); reconnecting" in err
+    assert "gap from" in err and "seq 1..2 missing" in err
