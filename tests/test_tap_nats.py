@@ -168,7 +168,10 @@ def kill_server(server) -> None:
     server.proc.wait(10)
 
 
-def test_server_restart_mid_run_is_one_line_each_way(tmp_path):
+@pytest.mark.parametrize("outage_s", [0, 1, 10])
+def test_server_outage_mid_run_is_survived_and_reported(tmp_path, outage_s):
+    """kill -9 of the server, down for a while, restarted on the same port and store: tap keeps
+    its subscriptions, says each state change in one line and counts what it missed."""
     from conftest import NatsServer
     from test_waiting import read_until
 
@@ -182,8 +185,11 @@ def test_server_restart_mid_run_is_one_line_each_way(tmp_path):
         assert read_line(proc.stdout)
         kill_server(server)
         seen = read_until(proc.stderr, "disconnected")
+        time.sleep(outage_s)  # the outage itself: nothing to wait for but the clock
+        assert proc.poll() is None, "tap gave up during the outage"
         server = NatsServer(tmp_path, port=server.port)  # same port, same store
         seen += read_until(proc.stderr, "reconnected after")
+        # seqs 1 and 2 were "published" during the outage: the envelope's seq shows the loss
         publish(server.url, [(subject, encode_envelope([event], 7, 3, 2000))])
         rc, out, rest = finish(proc)
     finally:
@@ -194,4 +200,31 @@ def test_server_restart_mid_run_is_one_line_each_way(tmp_path):
     assert "Traceback" not in err and "Error" not in err and "nats: " not in err
     assert err.count("disconnected") == 1 and err.count("reconnected") == 1
     assert f"kvctl: {server.url}: disconnected (unexpected EOF); reconnecting" in err
-    assert "gap from" in err and "seq 1..2 missing" in err
+    assert "seq 1..2 missing (2 batches, not recovered)" in err
+    assert "gaps 1 (2 batches missing" in err
+
+
+def test_record_through_an_outage_keeps_the_gap(tmp_path):
+    from conftest import NatsServer
+    from test_waiting import read_until
+
+    path = tmp_path / "outage.parquet"
+    server = NatsServer(tmp_path / "store")
+    proc = start_kvctl("record", server.url, "-o", str(path), "-c", "2")
+    try:
+        assert read_line(proc.stderr).startswith("kvctl: recording")  # subscribed
+        subject = "namespace.a.component.b.endpoint.c.kv-events"
+        event = router_event({"type": "AllBlocksCleared"}, 1, 0)
+        publish(server.url, [(subject, encode_envelope([event], 7, 0, 1000))])
+        kill_server(server)
+        read_until(proc.stderr, "disconnected")
+        time.sleep(1)  # the outage itself
+        server = NatsServer(tmp_path / "store", port=server.port)
+        read_until(proc.stderr, "reconnected after")
+        publish(server.url, [(subject, encode_envelope([event], 7, 3, 2000))])
+        rc, _, err = finish(proc, timeout=30)
+    finally:
+        server.stop()
+    assert rc == 0, err
+    info = json.loads(run_kvctl("inspect", str(path), "--json").stdout)
+    assert (info["gaps"], info["missing"], info["events"]) == (1, 2, 2), info
