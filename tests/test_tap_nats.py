@@ -9,14 +9,15 @@ import time
 import msgpack
 import nats
 import pytest
-from conftest import finish, free_port, read_line, run_kvctl, start_kvctl
+from conftest import free_port, read_line, run_kvctl, start_kvctl
+from test_waiting import read_until, rest_of
 
 from kvctl.formats.dynamo import encode_envelope, encode_json, router_event, tokens_hash
 
 
 def wait_ready(proc) -> None:
-    line = read_line(proc.stderr)
-    assert line.startswith("kvctl: reading"), line
+    lines = read_until(proc.stderr, "kvctl: ")
+    assert lines[-1].startswith("kvctl: reading"), lines
 
 
 async def _publish(url: str, messages, stream: str | None = None) -> None:
@@ -56,7 +57,7 @@ def test_live_subjects_of_every_era(nats_server):
         ("unrelated.queue", b"{}"),  # not a KV stream: ignored
         ("namespace.dyn.component.backend.endpoint.generate.kv-events", envelope),  # >= 1.2
     ])
-    rc, out, err = finish(proc)
+    rc, out, err = rest_of(proc)
     assert rc == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["type"], r["worker_id"], r["format"]) for r in rows] == [
@@ -73,7 +74,7 @@ def test_subject_in_url_and_pretty_output(nats_server):
     wait_ready(proc)
     publish(nats_server.url, [("namespace.x.component.y.kv_events", b"{}"),
                               (subject, encode_json(router_event(STORED, 4, 0)))])
-    rc, out, err = finish(proc)
+    rc, out, err = rest_of(proc)
     assert rc == 0, err
     assert "BlockStored" in out and "2 blocks" in out and "worker=4" in out
 
@@ -110,7 +111,7 @@ def test_malformed_nats_message_is_shown(nats_server):
     publish(nats_server.url, [("namespace.a.component.b.kv-events", b"\x85garbage"),
                               ("namespace.a.component.b.kv-events",
                                msgpack.packb({"payload": b"\xc1"}))])
-    rc, out, err = finish(proc)
+    rc, out, err = rest_of(proc)
     assert rc == 0 and out == ""
     assert err.count("malformed message from") == 2 and "malformed 2" in err
 
@@ -140,7 +141,7 @@ def test_nats_credentials_from_options_and_environment(tmp_path):
             proc = start_kvctl("tap", server.url, "--json", "-c", "1", *args, env=env)
             wait_ready(proc)
             asyncio.run(asyncio.wait_for(_publish_auth(server.url), 10))
-            rc, out, err = finish(proc)
+            rc, out, err = rest_of(proc)
             assert rc == 0, err
             assert json.loads(out)["type"] == "AllBlocksCleared"
     finally:
@@ -162,6 +163,23 @@ def test_connect_timeout_0_still_means_wait(tmp_path):
     assert result.returncode == 0 and b"stopped by --duration" in result.stderr
 
 
+def read_lines(stream, count: int, timeout: float = 15) -> str:
+    """The first ``count`` lines of a child's pipe, read from the descriptor (a buffered
+    readline could take several lines in, and a later select would wait for nothing)."""
+    import os
+    import select
+
+    data = b""
+    deadline = time.monotonic() + timeout
+    while data.count(b"\n") < count:
+        ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"{count} lines not within {timeout}s: {data!r}"
+        chunk = os.read(stream.fileno(), 65536)
+        assert chunk, f"pipe closed after {data!r}"
+        data += chunk
+    return data.decode()
+
+
 def kill_server(server) -> None:
     """kill -9: the server gets no chance to say goodbye to its clients."""
     server.proc.kill()
@@ -173,8 +191,6 @@ def test_server_outage_mid_run_is_survived_and_reported(tmp_path, outage_s):
     """kill -9 of the server, down for a while, restarted on the same port and store: tap keeps
     its subscriptions, says each state change in one line and counts what it missed."""
     from conftest import NatsServer
-    from test_waiting import read_until
-
     server = NatsServer(tmp_path)
     proc = start_kvctl("tap", server.url, "--json", "-c", "2")
     try:
@@ -191,7 +207,7 @@ def test_server_outage_mid_run_is_survived_and_reported(tmp_path, outage_s):
         seen += read_until(proc.stderr, "reconnected after")
         # seqs 1 and 2 were "published" during the outage: the envelope's seq shows the loss
         publish(server.url, [(subject, encode_envelope([event], 7, 3, 2000))])
-        rc, out, rest = finish(proc)
+        rc, out, rest = rest_of(proc)
     finally:
         server.stop()
     err = "".join(seen) + rest
@@ -204,27 +220,73 @@ def test_server_outage_mid_run_is_survived_and_reported(tmp_path, outage_s):
     assert "gaps 1 (2 batches missing" in err
 
 
+def delivered(monitor_port: int, count: int, timeout: float = 10) -> None:
+    """Wait until the server has delivered ``count`` messages to some client (its /connz
+    monitoring page): record prints nothing per message to wait on."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/connz", timeout=2) as r:
+            if any(c.get("out_msgs", 0) >= count for c in json.load(r)["connections"]):
+                return
+        time.sleep(0.05)  # polling the server's own counter: there is no push signal
+    raise AssertionError(f"the server did not deliver {count} messages within {timeout}s")
+
+
 def test_record_through_an_outage_keeps_the_gap(tmp_path):
     from conftest import NatsServer
-    from test_waiting import read_until
 
     path = tmp_path / "outage.parquet"
-    server = NatsServer(tmp_path / "store")
+    monitor = str(free_port())
+    server = NatsServer(tmp_path / "store", "-m", monitor)
     proc = start_kvctl("record", server.url, "-o", str(path), "-c", "2")
     try:
-        assert read_line(proc.stderr).startswith("kvctl: recording")  # subscribed
+        assert read_until(proc.stderr, "kvctl: ")[-1].startswith("kvctl: recording")
         subject = "namespace.a.component.b.endpoint.c.kv-events"
         event = router_event({"type": "AllBlocksCleared"}, 1, 0)
         publish(server.url, [(subject, encode_envelope([event], 7, 0, 1000))])
+        delivered(int(monitor), 1)  # record has it before the server dies
         kill_server(server)
         read_until(proc.stderr, "disconnected")
         time.sleep(1)  # the outage itself
-        server = NatsServer(tmp_path / "store", port=server.port)
+        server = NatsServer(tmp_path / "store", "-m", monitor, port=server.port)
         read_until(proc.stderr, "reconnected after")
         publish(server.url, [(subject, encode_envelope([event], 7, 3, 2000))])
-        rc, _, err = finish(proc, timeout=30)
+        rc, _, err = rest_of(proc, timeout=30)
     finally:
         server.stop()
     assert rc == 0, err
     info = json.loads(run_kvctl("inspect", str(path), "--json").stdout)
     assert (info["gaps"], info["missing"], info["events"]) == (1, 2, 2), info
+
+
+def test_from_start_history_resumes_after_a_restart(tmp_path):
+    """A restarted server has forgotten the ephemeral JetStream consumers: tap creates them
+    again from the message after the last one it got, so nothing repeats and nothing is
+    skipped."""
+    from conftest import NatsServer
+    stream = "namespace-r-component-backend-kv-events"
+    subject = f"{stream}.kv-events"
+
+    def history(first: int) -> list:
+        return [(subject, encode_json(router_event(
+            {"type": "BlockRemoved", "block_hashes": [i]}, 9, i))) for i in range(first, first + 3)]
+
+    server = NatsServer(tmp_path)
+    publish(server.url, history(0), stream=stream)
+    proc = start_kvctl("tap", server.url, "--from-start", "--json", "-c", "6")
+    try:
+        first = read_lines(proc.stdout, 3)
+        kill_server(server)
+        read_until(proc.stderr, "disconnected")
+        server = NatsServer(tmp_path, port=server.port)
+        read_until(proc.stderr, "reconnected after")
+        publish(server.url, history(3), stream=stream)
+        rc, out, err = rest_of(proc, timeout=8)  # not nats-py's own 10-20 s heartbeat timeout
+    finally:
+        server.stop()
+    assert rc == 0, err
+    rows = [json.loads(line) for line in (first + out).splitlines()]
+    assert [r["block_hashes"] for r in rows] == [[0], [1], [2], [3], [4], [5]]
+    assert "Traceback" not in err and "not resumed" not in err

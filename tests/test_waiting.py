@@ -6,8 +6,11 @@ what a user sees on stderr and how the process ends."""
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
 import time
+import weakref
 
 import pytest
 from conftest import (
@@ -32,17 +35,37 @@ def dead_nats() -> str:
     return f"nats://127.0.0.1:{free_port()}"
 
 
+_unread: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""A child's pipe -> bytes read past the last line returned."""
+
+
 def read_until(stream, text: str, timeout: float = 15) -> list[str]:
-    """Lines of a child's pipe up to and including the first one containing ``text``."""
+    """Lines of a child's pipe up to and including the first one containing ``text``.
+
+    Reads the descriptor itself: a buffered readline may take in several lines at once, and a
+    select() after it would then wait for lines already read."""
+    fd = stream.fileno()
+    data = _unread.pop(stream, b"")
     deadline = time.monotonic() + timeout
     lines: list[str] = []
-    while time.monotonic() < deadline:
-        line = read_line(stream, max(0.1, deadline - time.monotonic()))
-        assert line, f"pipe closed before {text!r}; got {lines}"
-        lines.append(line)
-        if text in line:
-            return lines
-    raise AssertionError(f"no {text!r} within {timeout}s; got {lines}")
+    while True:
+        while b"\n" in data:
+            line, data = data.split(b"\n", 1)
+            lines.append(line.decode() + "\n")
+            if text in lines[-1]:
+                _unread[stream] = data
+                return lines
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"no {text!r} within {timeout}s; got {lines}"
+        chunk = os.read(fd, 65536)
+        assert chunk, f"pipe closed before {text!r}; got {lines}"
+        data += chunk
+
+
+def rest_of(proc, timeout: float = 20) -> tuple[int, str, str]:
+    """:func:`finish`, with the stderr that :func:`read_until` read past put back in front."""
+    rc, out, err = finish(proc, timeout)
+    return rc, out, _unread.pop(proc.stderr, b"").decode() + err
 
 
 def test_tap_waits_for_a_publisher_that_binds_later():
@@ -56,7 +79,7 @@ def test_tap_waits_for_a_publisher_that_binds_later():
         engine.wait_for()
         for i in range(3):
             engine.send([removed([i])])
-        rc, out, err = finish(proc)
+        rc, out, err = rest_of(proc)
     finally:
         engine.close()
     assert rc == 0, err
@@ -150,7 +173,7 @@ def test_nats_server_that_starts_later(tmp_path):
 
         publish(server.url, [("namespace.a.component.b.kv_events",
                               encode_json(router_event({"type": "AllBlocksCleared"}, 1, 0)))])
-        rc, out, err = finish(proc)
+        rc, out, err = rest_of(proc)
     finally:
         server.stop()
     assert rc == 0, err
@@ -167,7 +190,7 @@ def test_record_waits_and_keeps_what_came(tmp_path):
     try:
         engine.wait_for()
         engine.send([removed([1]), removed([2])])
-        rc, _, err = finish(proc, timeout=30)
+        rc, _, err = rest_of(proc, timeout=30)
     finally:
         engine.close()
     assert rc == 0, err

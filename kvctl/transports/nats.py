@@ -108,6 +108,69 @@ def is_connection_loss(exc: BaseException) -> bool:
                             errors.ConnectionClosedError, errors.NoServersError))
 
 
+class History:
+    """--from-start: an ordered JetStream consumer from the first message of every Dynamo
+    KV-event stream. After a reconnect each consumer is created again from the stream
+    sequence after the last message delivered: a restarted server has forgotten the
+    ephemeral consumers, and nats-py would notice only after missing heartbeats for 10 s."""
+
+    RETRY_S = 0.5  # JetStream needs a moment after a server restart
+    RETRIES = 40
+
+    def __init__(self, nc: Any, push: zmq.Socket, control: Any) -> None:
+        self.js = nc.jetstream()
+        self.push = push
+        self.control = control
+        self.subjects: set[str] = set()
+        self.next_seq: dict[str, int] = {}
+        self.subscriptions: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        for info in await self.js.streams_info():
+            config = info.config
+            if not (config.name or "").endswith(KV_STREAM_SUFFIX):
+                continue
+            for subject in config.subjects or ():
+                self.subjects.add(subject)
+                await self._subscribe(subject)
+
+    async def _subscribe(self, subject: str) -> None:
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        push, next_seq = self.push, self.next_seq
+
+        async def forward(msg: Any) -> None:
+            next_seq[subject] = msg.metadata.sequence.stream + 1
+            push.send_multipart([msg.subject.encode(), msg.data], copy=False)
+
+        start = next_seq.get(subject)
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL) if start is None else \
+            ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+        self.subscriptions[subject] = await self.js.subscribe(
+            subject, cb=forward, ordered_consumer=True, config=config)
+
+    async def resume(self, stop: asyncio.Event) -> None:
+        for subject, old in list(self.subscriptions.items()):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(old.unsubscribe(), 2)
+            for attempt in range(self.RETRIES):
+                try:
+                    await self._subscribe(subject)
+                    break
+                except Exception as exc:
+                    if stop.is_set():
+                        return
+                    if attempt == self.RETRIES - 1:
+                        self.control(self.push, "error", f"JetStream history of {subject} not "
+                                     f"resumed: {describe(exc)}")
+                    await asyncio.sleep(self.RETRY_S)
+
+    async def close(self) -> None:
+        for sub in self.subscriptions.values():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sub.unsubscribe(), 2)
+
+
 class Subscriber:
     """Subscribe to NATS subjects (and optionally JetStream history) in a background thread.
 
@@ -201,10 +264,15 @@ class Subscriber:
             if connected and not self._stopping.is_set():
                 self._control(push, "down", self.last_error or "connection lost")
 
+        history: History | None = None
+        resuming: list[asyncio.Future] = []
+
         async def on_reconnected() -> None:
             nonlocal last_said
             last_said = ""
             self._control(push, "up", "reconnected")
+            if history is not None:  # in a task: this callback runs inside nats-py's reconnect
+                resuming[:] = [asyncio.ensure_future(history.resume(stop))]
 
         connect = asyncio.ensure_future(nc.connect(
             servers=[self.server], error_cb=on_error, disconnected_cb=on_disconnected,
@@ -223,18 +291,21 @@ class Subscriber:
             return
         connected = True
         self._control(push, "up", "connected")  # before the first message, never after it
-        subscriptions: list[Any] = []
         try:
-            subscriptions = await self._subscribe(nc, push)
+            if self.from_start:
+                history = History(nc, push, self._control)
+                await history.start()
+            await self._subscribe(nc, push, history.subjects if history else set())
         except Exception as exc:
             self._control(push, "fatal", f"subscribe failed: {describe(exc)}")
             await self._close(nc)
             return
         self.first_attempt_done.set()
         await stop.wait()
-        for sub in subscriptions:  # JetStream consumers first, while the connection is up
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(sub.unsubscribe(), 2)
+        for task in resuming:
+            task.cancel()
+        if history is not None:  # JetStream consumers first, while the connection is up
+            await history.close()
         await self._close(nc)
 
     def _connect_kwargs(self) -> dict[str, Any]:
@@ -245,47 +316,24 @@ class Subscriber:
             connect_timeout=min(self.options.connect_timeout, 2.0))
         return kwargs
 
-    async def _subscribe(self, nc: Any, push: zmq.Socket) -> list[Any]:
-        jetstream_subjects: set[str] = set()
+    async def _subscribe(self, nc: Any, push: zmq.Socket, jetstream_subjects: set[str]) -> None:
+        """Core subscriptions (nats-py renews them after a reconnect); what the JetStream
+        consumers deliver is skipped here, or it would arrive twice."""
 
         async def forward(msg: Any) -> None:
             if msg.subject in jetstream_subjects or not is_kv_subject(msg.subject):
                 return
             push.send_multipart([msg.subject.encode(), msg.data], copy=False)
 
-        async def forward_js(msg: Any) -> None:
-            push.send_multipart([msg.subject.encode(), msg.data], copy=False)
-
-        subscriptions: list[Any] = []
-        if self.from_start:
-            subscriptions.extend(await self._subscribe_history(nc, forward_js,
-                                                               jetstream_subjects))
         for subject in self.subjects:
-            subscriptions.append(await nc.subscribe(subject, cb=forward))
+            await nc.subscribe(subject, cb=forward)
         await nc.flush(timeout=self.options.connect_timeout)
-        return subscriptions
 
     async def _close(self, nc: Any) -> None:
         if nc.is_closed:
             return
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), 5)
-
-    async def _subscribe_history(self, nc: Any, cb: Any, subjects: set[str]) -> list[Any]:
-        """Ordered consumers from the first message of every Dynamo KV-event stream."""
-        from nats.js.api import DeliverPolicy
-
-        js = nc.jetstream()
-        subscriptions = []
-        for info in await js.streams_info():
-            config = info.config
-            if not (config.name or "").endswith(KV_STREAM_SUFFIX):
-                continue
-            for subject in config.subjects or ():
-                subscriptions.append(await js.subscribe(
-                    subject, cb=cb, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL))
-                subjects.add(subject)
-        return subscriptions
 
     def close(self) -> None:
         self._stopping.set()
