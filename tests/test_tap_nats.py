@@ -290,3 +290,22 @@ def test_from_start_history_resumes_after_a_restart(tmp_path):
     rows = [json.loads(line) for line in (first + out).splitlines()]
     assert [r["block_hashes"] for r in rows] == [[0], [1], [2], [3], [4], [5]]
     assert "Traceback" not in err and "not resumed" not in err
+
+
+def test_connect_timeout_also_bounds_an_outage(tmp_path):
+    from conftest import NatsServer
+
+    server = NatsServer(tmp_path)
+    proc = start_kvctl("tap", server.url, "--connect-timeout", "1")
+    try:
+        wait_ready(proc)
+        kill_server(server)
+        started = time.monotonic()
+        rc, _, err = rest_of(proc, timeout=10)
+    finally:
+        server.stop()
+    assert rc == 1 and time.monotonic() - started < 5, err
+    last = err.splitlines()[-1]  # the reason is the latest attempt's: connection refused
+    assert last == (f"kvctl: {server.url}: disconnected for 1 s (connection refused); giving up "
+                    "(--connect-timeout)")
+    assert "Traceback" not in err
