@@ -16,8 +16,9 @@ from kvctl.formats.dynamo import encode_envelope, encode_json, router_event, tok
 
 
 def wait_ready(proc) -> None:
-    lines = read_until(proc.stderr, "kvctl: ")
-    assert lines[-1].startswith("kvctl: reading"), lines
+    """tap has subscribed (with the server up, the "reading" line comes after that)."""
+    line = read_line(proc.stderr)
+    assert line.startswith("kvctl: reading"), line
 
 
 async def _publish(url: str, messages, stream: str | None = None) -> None:
