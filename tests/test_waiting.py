@@ -205,3 +205,35 @@ def test_record_stopped_while_waiting_writes_an_empty_recording(tmp_path):
     assert result.returncode == 0, err
     assert "never connected to" in err and "Traceback" not in err
     assert run_kvctl("cat", str(path)).returncode == 0
+
+
+def invoke(*args: str):
+    """kvctl in-process, as click runs it for a user (exceptions left for the caller)."""
+    from click.testing import CliRunner
+
+    from kvctl.cli import cli
+
+    return CliRunner().invoke(cli, list(args), catch_exceptions=True)
+
+
+@pytest.mark.parametrize("make_source", [dead_zmq, dead_nats])
+def test_in_process_duration_while_waiting(make_source):
+    source = make_source()
+    started = time.monotonic()
+    result = invoke("tap", source, "--duration", "1")
+    assert result.exit_code == 0, result.output
+    assert time.monotonic() - started < 4
+    assert f"kvctl: never connected to {source}" in result.stderr
+    assert "stopped by --duration" in result.stderr
+
+
+def test_in_process_connect_timeout_is_a_transport_error():
+    from kvctl.errors import ExitCode, TransportError
+
+    source = dead_zmq()
+    result = invoke("tap", source, "--connect-timeout", "0.5")
+    assert isinstance(result.exception, TransportError)
+    assert result.exception.exit_code == ExitCode.ERROR
+    assert str(result.exception) == (f"{source}: connection refused after 0.5 s: is the engine "
+                                     "publishing there?")
+    assert "never connected" not in result.stderr  # the error says it; nothing else does
