@@ -280,8 +280,7 @@ class Subscriber:
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not connect.done():
-            connect.cancel()
-            await asyncio.gather(connect, return_exceptions=True)
+            await self._cancel(connect)
             await self._close(nc)
             return
         stopped.cancel()
@@ -307,6 +306,18 @@ class Subscriber:
         if history is not None:  # JetStream consumers first, while the connection is up
             await history.close()
         await self._close(nc)
+
+    @staticmethod
+    async def _cancel(task: asyncio.Future, tries: int = 50) -> None:
+        """Cancel ``task`` until it ends: a cancellation that lands as an inner wait_for
+        completes is swallowed (Python < 3.12), and nats-py's connect loop would go on."""
+        for _ in range(tries):
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if done:
+                with contextlib.suppress(BaseException):
+                    task.result()
+                return
 
     def _connect_kwargs(self) -> dict[str, Any]:
         kwargs = self.options.connect_kwargs()
