@@ -93,9 +93,10 @@ def is_fatal(exc: BaseException) -> bool:
 
     from nats import errors
 
-    if isinstance(exc, (errors.AuthorizationError, errors.InvalidUserCredentialsError,
-                        errors.SecureConnRequiredError, errors.SecureConnWantedError,
-                        errors.SecureConnFailedError, ssl.SSLError, FileNotFoundError)):
+    names = ("AuthorizationError", "InvalidUserCredentialsError", "SecureConnRequiredError",
+             "SecureConnWantedError", "SecureConnFailedError")  # not all in every nats-py 2.x
+    fatal = tuple(getattr(errors, n) for n in names if hasattr(errors, n))
+    if isinstance(exc, (*fatal, ssl.SSLError, FileNotFoundError)):
         return True
     text = str(exc).lower()
     return "authorization violation" in text or "authentication" in text
