@@ -38,9 +38,11 @@ source_arguments = _stack(
                       "one per ZMQ source, in the order the sources are given."),
     click.option("--topic", default="", show_default=False, metavar="PREFIX",
                  help="ZMQ topic prefix to subscribe to (default: all topics)."),
-    click.option("--connect-timeout", type=click.FloatRange(min=0), default=5.0,
-                 show_default=True, metavar="SECONDS",
-                 help="Fail when a source cannot be reached within this time (0: wait forever)."),
+    click.option("--connect-timeout", type=click.FloatRange(min=0), default=None,
+                 metavar="SECONDS",
+                 help="Give up (exit 1) when a source is not there within this time, or a NATS "
+                      "server is gone this long. Default: wait without limit, saying so on "
+                      "stderr after 3 s (0 also waits without limit)."),
     click.option("--nats-user", envvar="KVCTL_NATS_USER", metavar="USER", help="NATS user."),
     click.option("--nats-password", envvar="KVCTL_NATS_PASSWORD", metavar="PASSWORD",
                  help="NATS password."),
@@ -93,20 +95,22 @@ report_options = _stack(
 
 
 def connection_kwargs(params: dict[str, Any]) -> dict[str, Any]:
-    """Turn the source options of a command into LiveSource keyword arguments."""
+    """Turn the source options of a command into LiveSource keyword arguments (plus ``quiet``,
+    which :func:`kvctl.session.open_source` turns into the notice channel)."""
     from .transports.nats import NatsOptions
 
+    give_up_after = params["connect_timeout"] or None  # 0: wait forever, as before
     nats_options = NatsOptions(
         user=params["nats_user"], password=params["nats_password"], token=params["nats_token"],
         creds=params["nats_creds"], tls_ca=params["tls_ca"], tls_cert=params["tls_cert"],
-        tls_key=params["tls_key"], connect_timeout=params["connect_timeout"] or 5.0,
-        wait_forever=params["connect_timeout"] == 0,
+        tls_key=params["tls_key"], connect_timeout=give_up_after or 5.0,
     )
     return {
         "nats_options": nats_options,
         "subjects": list(params["subjects"]),
         "from_start": params["from_start"],
         "replay_endpoints": list(params["replay_endpoints"]),
-        "connect_timeout": params["connect_timeout"],
+        "connect_timeout": give_up_after,
         "topic": params["topic"].encode(),
+        "quiet": bool(params.get("quiet", False)),
     }

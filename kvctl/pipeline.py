@@ -199,8 +199,21 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
+Notify = Callable[[str, str], None]
+"""Says one line on stderr: ``(text, style)``, style a rich style name such as "yellow"."""
+
+
 class LiveSource:
-    """Every ZMQ and NATS source of one command, polled together in one loop."""
+    """Every ZMQ and NATS source of one command, polled together in one loop.
+
+    Opening never blocks on a missing peer: ZMQ connects before the engine binds and the NATS
+    client keeps trying, so recorders and routers can start first. While a source is not
+    there yet, :meth:`batches` yields ``None`` (idle) so the caller's stop conditions and
+    Ctrl-C keep working; after ``NOTICE_AFTER_S`` one notice says what is awaited, and with
+    ``connect_timeout`` (seconds) a source still missing then is a :class:`TransportError`.
+    """
+
+    NOTICE_AFTER_S = 3.0
 
     def __init__(
         self,
@@ -209,8 +222,9 @@ class LiveSource:
         subjects: list[str] | None = None,
         from_start: bool = False,
         replay_endpoints: list[str] | None = None,
-        connect_timeout: float = 5.0,
+        connect_timeout: float | None = None,
         topic: bytes = b"",
+        notify: Notify | None = None,
     ) -> None:
         import zmq
 
@@ -221,8 +235,19 @@ class LiveSource:
         self.by_socket: dict[Any, tuple[str, Any]] = {}
         self.subscribers: list[Any] = []
         self.nats: list[Any] = []
+        self.nats_by_socket: dict[Any, Any] = {}
+        self.zmq_by_socket: dict[Any, Any] = {}
         self.replay_for: dict[str, str] = {}
+        self.connect_timeout = connect_timeout or None  # 0 is "wait forever", as before
+        self.notify = notify
+        self.opened = time.monotonic()
+        self.waiting: dict[Any, str] = {}
+        """Source not connected yet -> its address; ZMQ subscribers and NATS clients alike."""
+        self.down_since: dict[Any, float] = {}
+        """NATS clients that lost their server -> since when (monotonic)."""
+        self.noticed = False
         self._closed = False
+        self._failed = False
         zmq_specs = [s for s in specs if s.kind == "zmq"]
         if replay_endpoints and len(replay_endpoints) > len(zmq_specs):
             raise UsageError(f"{len(replay_endpoints)} --replay-endpoint for "
@@ -232,18 +257,23 @@ class LiveSource:
                 sub = zmq_transport.Subscriber(spec.address, topic)
                 self.subscribers.append(sub)
                 self.by_socket[sub.socket] = ("zmq", spec)
+                self.zmq_by_socket[sub.socket] = sub
                 self.poller.register(sub.socket, zmq.POLLIN)
+                if sub.endpoint.startswith("inproc://"):
+                    sub.stop_monitor()  # no connection events in-process: nothing to wait for
+                else:
+                    self.waiting[sub] = sub.endpoint
+                    self.by_socket[sub.monitor] = ("monitor", sub)
+                    self.poller.register(sub.monitor, zmq.POLLIN)
                 if replay_endpoints and i < len(replay_endpoints):
                     self.replay_for[spec.address] = replay_endpoints[i]
             for spec in specs:
                 if spec.kind == "nats":
                     self._open_nats(spec, nats_options, subjects, from_start)
-            if connect_timeout > 0:
-                self._wait_connected(connect_timeout)
-            else:
-                for sub in self.subscribers:
-                    sub.stop_monitor()
+            for sub in self.nats:
+                sub.start()
         except BaseException:
+            self._failed = True
             self.close()
             raise
 
@@ -254,18 +284,78 @@ class LiveSource:
         sub = nats_transport.Subscriber(spec.address, spec.subjects + list(subjects or []),
                                         options, from_start)
         self.nats.append(sub)
-        sub.start()
+        self.waiting[sub] = sub.server
         self.by_socket[sub.socket] = ("nats", spec)
+        self.nats_by_socket[sub.socket] = sub
         self.poller.register(sub.socket, self.zmq.POLLIN)
 
-    def _wait_connected(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for sub in self.subscribers:
-            if not sub.wait_connected(max(0.0, deadline - time.monotonic())):
-                why = "connection refused" if sub.refused else "no connection"
-                raise TransportError(
-                    f"{sub.endpoint}: {why} after {timeout:g} s: is the engine publishing "
-                    f"there? (--connect-timeout 0 waits forever)")
+    def _say(self, text: str, style: str = "yellow") -> None:
+        if self.notify is not None:
+            self.notify(text, style)
+
+    def _zmq_event(self, sub: Any, data: bool = False) -> None:
+        """A monitor event, or ``data`` arrived (so the subscriber is connected)."""
+        if sub.monitor.closed:
+            return
+        sub.poll_connection()
+        if sub.connected or data:
+            # Nobody reads the monitor once connected (see Subscriber.stop_monitor).
+            self.poller.unregister(sub.monitor)
+            del self.by_socket[sub.monitor]
+            sub.stop_monitor()
+            self._connected(sub, "connected to")
+
+    def _connected(self, sub: Any, what: str) -> None:
+        address = self.waiting.pop(sub, None)
+        if address is not None and self.noticed:
+            waited = time.monotonic() - self.opened
+            self._say(f"kvctl: {what} {address} after {waited:.0f} s", "dim")
+
+    def _nats_control(self, sub: Any, kind: bytes, text: str) -> None:
+        now = time.monotonic()
+        if kind == b"fatal":
+            self._failed = True
+            raise TransportError(f"{sub.server}: {text}")
+        if kind == b"up":
+            if sub in self.waiting:
+                self._connected(sub, "connected to NATS at")
+            elif sub in self.down_since:
+                outage = now - self.down_since.pop(sub)
+                self._say(f"kvctl: {sub.server}: reconnected after {outage:.1f} s (messages "
+                          "published meanwhile are missed; gaps in Dynamo sequence numbers "
+                          "show how many)", "yellow")
+        elif kind == b"down":
+            self.down_since[sub] = now
+            self._say(f"kvctl: {sub.server}: disconnected ({text}); reconnecting", "yellow")
+        else:
+            self._say(f"kvctl: {sub.server}: {text}", "yellow")
+
+    def _check_waiting(self) -> None:
+        """The notice after a few seconds, and --connect-timeout."""
+        now = time.monotonic()
+        waited = now - self.opened
+        timeout = self.connect_timeout
+        if self.waiting and timeout is not None and waited >= timeout:
+            self._failed = True
+            sub, address = next(iter(self.waiting.items()))
+            if address.startswith(("nats://", "tls://")):
+                why = sub.last_error or "no answer"
+                raise TransportError(f"{address}: cannot connect to NATS after {timeout:g} s "
+                                     f"({why}): is the server running there?")
+            why = "connection refused" if sub.refused else "no connection"
+            raise TransportError(f"{address}: {why} after {timeout:g} s: is the engine "
+                                 "publishing there?")
+        if self.waiting and not self.noticed and waited >= self.NOTICE_AFTER_S:
+            self.noticed = True
+            self._say(f"kvctl: nothing at {', '.join(self.waiting.values())} yet, waiting; "
+                      "--connect-timeout S to give up", "yellow")
+        if timeout is not None:
+            for sub, since in self.down_since.items():
+                if now - since >= timeout:
+                    self._failed = True
+                    raise TransportError(f"{sub.server}: disconnected for {timeout:g} s "
+                                         f"({sub.last_error or 'no answer'}); giving up "
+                                         "(--connect-timeout)")
 
     def batches(self, poll_ms: int = 100) -> Iterator[Batch | None]:
         from zmq import NOBLOCK, Again
@@ -276,12 +366,15 @@ class LiveSource:
         poll = self.poller.poll
         time_ns = time.time_ns
         while True:
+            if self.waiting or self.down_since:
+                self._check_waiting()
             ready = poll(poll_ms)
-            if not ready:
-                yield None
-                continue
+            produced = False
             for sock, _ in ready:
-                kind, spec = self.by_socket[sock]
+                entry = self.by_socket.get(sock)
+                if entry is None:  # a monitor stopped earlier in this round
+                    continue
+                kind, spec = entry
                 if kind == "zmq":
                     address, worker, dp = spec.address, spec.worker_id, spec.dp_rank
                     recv = sock.recv_multipart
@@ -290,15 +383,23 @@ class LiveSource:
                             frames = recv(NOBLOCK)
                         except Again:
                             break
+                        if not produced and self.waiting:  # data before the monitor's word
+                            self._zmq_event(self.zmq_by_socket[sock], data=True)
+                        produced = True
                         yield decode_zmq(frames, address, time_ns(), worker, dp)
+                    continue
+                if kind == "monitor":
+                    self._zmq_event(spec)
                     continue
                 for frames in receive_all(sock, DRAIN_LIMIT):
                     if frames[0] == CONTROL:
-                        raise TransportError(frames[1].decode())
-                    else:
-                        batch = decode_nats(frames[0].decode(), frames[1], spec.address,
-                                            time_ns())
-                        yield batch
+                        self._nats_control(self.nats_by_socket[sock], frames[1],
+                                           frames[2].decode())
+                        continue
+                    produced = True
+                    yield decode_nats(frames[0].decode(), frames[1], spec.address, time_ns())
+            if not produced:
+                yield None  # idle, or only connection events: the caller checks its timers
 
     def recover(self, batch: Batch, first: int, end: int) -> list[Batch]:
         """Fetch batches ``first..end-1`` from the source's replay socket, if it has one."""
@@ -309,7 +410,8 @@ class LiveSource:
 
         replies, _complete = fetch_replay(endpoint, first)
         out = []
-        spec = next(s for k, s in self.by_socket.values() if s.address == batch.source)
+        spec = next(s for k, s in self.by_socket.values()
+                    if k == "zmq" and s.address == batch.source)
         for topic, seq_frame, payload in replies:
             seq = int.from_bytes(seq_frame, "big")
             if first <= seq < end:
@@ -327,6 +429,9 @@ class LiveSource:
             sub.close()
         for sub in self.nats:
             sub.close()
+        if self.waiting and not self._failed:  # stopped (--duration, Ctrl-C) while waiting
+            self._say(f"kvctl: never connected to {', '.join(self.waiting.values())}",
+                      "yellow")
 
 
 class Sink(Protocol):

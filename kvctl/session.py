@@ -24,14 +24,18 @@ class Interrupted(KvctlError):
         super().__init__("" if quiet else summary)
 
 
-def open_source(sources: tuple[str, ...] | list[str], **connection: Any) -> Any:
+def open_source(sources: tuple[str, ...] | list[str], quiet: bool = False,
+                **connection: Any) -> Any:
+    """Recordings, or live sources (returned at once: a missing engine or NATS server is
+    waited for while the pipeline runs, with notices on stderr unless ``quiet``)."""
     specs = [SourceSpec.parse(s) for s in sources]
     files = [s for s in specs if s.kind == "file"]
     if files and len(files) != len(specs):
         raise UsageError("recordings and live sources cannot be mixed in one command")
     if files:
         return RecordingSource([s.address for s in files])
-    return LiveSource(specs, **connection)
+    notify = None if quiet else StderrDiagnostics().say
+    return LiveSource(specs, notify=notify, **connection)
 
 
 def make_filters(params: dict[str, Any]) -> Filters:
@@ -54,9 +58,9 @@ def stream(params: dict[str, Any], connection: dict[str, Any] | None = None,
     sink = JsonLinesSink(hash_style=hash_style) if params.get("as_json") else \
         PrettySink(hash_style=hash_style)
     source = open_source(params["sources"], **(connection or {}))
-    diagnostics.say(f"kvctl: reading {', '.join(params['sources'])}", "dim")
     summary = Summary()
-    try:
+    try:  # a signal right after the "reading" line still gets the summary
+        diagnostics.say(f"kvctl: reading {', '.join(params['sources'])}", "dim")
         run(source, sink, make_limits(params), make_filters(params), diagnostics,
             strict=params.get("strict", False), summary=summary, on_batch=on_batch)
     except KeyboardInterrupt:
@@ -137,8 +141,6 @@ def read(params: dict[str, Any], consume: Callable[[Batch], Any],
     "interrupt"``) as its ``summary`` attribute, so each command decides what Ctrl-C prints.
     """
     source = open_source(params["sources"], **connection_kwargs(params))
-    if on_open is not None:
-        on_open(source)
     feed = Feed(consume)
     summary = Summary()
 
@@ -149,6 +151,8 @@ def read(params: dict[str, Any], consume: Callable[[Batch], Any],
         return tick() if tick is not None else True
 
     try:
+        if on_open is not None:
+            on_open(source)
         run(Ticking(source, between_batches), feed, make_limits(params),
             make_filters(params), None, summary=summary, on_batch=feed.on_batch)
     except KeyboardInterrupt as exc:

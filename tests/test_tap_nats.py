@@ -8,12 +8,15 @@ import time
 
 import msgpack
 import nats
-from conftest import finish, free_port, read_line, run_kvctl, start_kvctl
+import pytest
+from conftest import free_port, read_line, run_kvctl, start_kvctl
+from test_waiting import read_until, rest_of
 
 from kvctl.formats.dynamo import encode_envelope, encode_json, router_event, tokens_hash
 
 
 def wait_ready(proc) -> None:
+    """tap has subscribed (with the server up, the "reading" line comes after that)."""
     line = read_line(proc.stderr)
     assert line.startswith("kvctl: reading"), line
 
@@ -55,7 +58,7 @@ def test_live_subjects_of_every_era(nats_server):
         ("unrelated.queue", b"{}"),  # not a KV stream: ignored
         ("namespace.dyn.component.backend.endpoint.generate.kv-events", envelope),  # >= 1.2
     ])
-    rc, out, err = finish(proc)
+    rc, out, err = rest_of(proc)
     assert rc == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["type"], r["worker_id"], r["format"]) for r in rows] == [
@@ -72,21 +75,35 @@ def test_subject_in_url_and_pretty_output(nats_server):
     wait_ready(proc)
     publish(nats_server.url, [("namespace.x.component.y.kv_events", b"{}"),
                               (subject, encode_json(router_event(STORED, 4, 0)))])
-    rc, out, err = finish(proc)
+    rc, out, err = rest_of(proc)
     assert rc == 0, err
     assert "BlockStored" in out and "2 blocks" in out and "worker=4" in out
 
 
-def test_from_start_reads_jetstream_history(nats_server):
+@pytest.mark.parametrize("stop", [["-c", "3"], ["--idle-timeout", "1"]])
+def test_from_start_reads_jetstream_history(tmp_path, stop):
+    from conftest import NatsServer
+
+    server = NatsServer(tmp_path)  # its own JetStream store: only this stream's history
     stream = "namespace-hist-component-backend-kv-events"
     subject = f"{stream}.kv-events"
-    publish(nats_server.url, [(subject, encode_json(router_event(
-        {"type": "BlockRemoved", "block_hashes": [i]}, 9, i))) for i in range(3)], stream=stream)
-    result = run_kvctl("tap", nats_server.url, "--from-start", "--json", "-c", "3")
+    try:
+        publish(server.url, [(subject, encode_json(router_event(
+            {"type": "BlockRemoved", "block_hashes": [i]}, 9, i))) for i in range(3)],
+            stream=stream)
+        result = run_kvctl("tap", server.url, "--from-start", "--json", *stop)
+    finally:
+        server.stop()
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.decode().splitlines()]
     assert [r["block_hashes"] for r in rows] == [[0], [1], [2]]
     assert [r["event_id"] for r in rows] == [0, 1, 2]
+    # the JetStream consumers are closed before the client: no asyncio or nats-py noise
+    err = result.stderr.decode()
+    for noise in ("Task was destroyed", "Unclosed", "Traceback", "Exception ignored",
+                  "never connected"):
+        assert noise not in err, err
+    assert len(err.strip().splitlines()) == 2  # "reading" and the summary
 
 
 def test_malformed_nats_message_is_shown(nats_server):
@@ -95,7 +112,7 @@ def test_malformed_nats_message_is_shown(nats_server):
     publish(nats_server.url, [("namespace.a.component.b.kv-events", b"\x85garbage"),
                               ("namespace.a.component.b.kv-events",
                                msgpack.packb({"payload": b"\xc1"}))])
-    rc, out, err = finish(proc)
+    rc, out, err = rest_of(proc)
     assert rc == 0 and out == ""
     assert err.count("malformed message from") == 2 and "malformed 2" in err
 
@@ -103,8 +120,10 @@ def test_malformed_nats_message_is_shown(nats_server):
 def test_unreachable_nats_is_a_clear_error():
     result = run_kvctl("tap", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "1")
     err = result.stderr.decode()
-    assert result.returncode == 1 and "cannot connect to NATS" in err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1  # one line
+    assert result.returncode == 1 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("kvctl: reading") and len(lines) == 2  # one error line
+    assert "cannot connect to NATS after 1 s (connection refused)" in lines[1]
 
 
 def test_nats_credentials_from_options_and_environment(tmp_path):
@@ -112,15 +131,18 @@ def test_nats_credentials_from_options_and_environment(tmp_path):
 
     server = NatsServer(tmp_path, "--user", "kv", "--pass", "s3cret")
     try:
-        denied = run_kvctl("tap", server.url, "--connect-timeout", "2")
+        # waiting does not cure wrong credentials: an error at once, without --connect-timeout
+        started = time.monotonic()
+        denied = run_kvctl("tap", server.url, "--duration", "10")
         assert denied.returncode == 1 and b"Traceback" not in denied.stderr
-        assert b"cannot connect to NATS" in denied.stderr
+        assert b"cannot connect to NATS: authorization violation" in denied.stderr
+        assert time.monotonic() - started < 5
         for args, env in ((["--nats-user", "kv", "--nats-password", "s3cret"], None),
                           ([], {"KVCTL_NATS_USER": "kv", "KVCTL_NATS_PASSWORD": "s3cret"})):
             proc = start_kvctl("tap", server.url, "--json", "-c", "1", *args, env=env)
             wait_ready(proc)
             asyncio.run(asyncio.wait_for(_publish_auth(server.url), 10))
-            rc, out, err = finish(proc)
+            rc, out, err = rest_of(proc)
             assert rc == 0, err
             assert json.loads(out)["type"] == "AllBlocksCleared"
     finally:
@@ -135,21 +157,158 @@ async def _publish_auth(url: str) -> None:
     await nc.close()
 
 
-def test_connect_timeout_0_waits_for_a_server_that_starts_later(tmp_path):
-    from conftest import NatsServer
+def test_connect_timeout_0_still_means_wait(tmp_path):
+    """Compatibility: 0 was "wait forever" before waiting became the default."""
+    result = run_kvctl("tap", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "0",
+                       "--duration", "1.5", timeout=20)
+    assert result.returncode == 0 and b"stopped by --duration" in result.stderr
 
-    port = free_port()
-    proc = start_kvctl("tap", f"nats://127.0.0.1:{port}", "--connect-timeout", "0", "--json",
-                       "-c", "1")
-    time.sleep(1.5)  # nothing to wait on: the point is that no server is there yet
-    assert proc.poll() is None, "tap gave up instead of waiting for the server"
-    server = NatsServer(tmp_path, port=port)
+
+def read_lines(stream, count: int, timeout: float = 15) -> str:
+    """The first ``count`` lines of a child's pipe, read from the descriptor (a buffered
+    readline could take several lines in, and a later select would wait for nothing)."""
+    import os
+    import select
+
+    data = b""
+    deadline = time.monotonic() + timeout
+    while data.count(b"\n") < count:
+        ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"{count} lines not within {timeout}s: {data!r}"
+        chunk = os.read(stream.fileno(), 65536)
+        assert chunk, f"pipe closed after {data!r}"
+        data += chunk
+    return data.decode()
+
+
+def kill_server(server) -> None:
+    """kill -9: the server gets no chance to say goodbye to its clients."""
+    server.proc.kill()
+    server.proc.wait(10)
+
+
+@pytest.mark.parametrize("outage_s", [0, 1, 10])
+def test_server_outage_mid_run_is_survived_and_reported(tmp_path, outage_s):
+    """kill -9 of the server, down for a while, restarted on the same port and store: tap keeps
+    its subscriptions, says each state change in one line and counts what it missed."""
+    from conftest import NatsServer
+    server = NatsServer(tmp_path)
+    proc = start_kvctl("tap", server.url, "--json", "-c", "2")
     try:
         wait_ready(proc)
-        publish(server.url, [("namespace.a.component.b.kv_events",
-                              encode_json(router_event({"type": "AllBlocksCleared"}, 1, 0)))])
-        rc, out, err = finish(proc)
+        subject = "namespace.a.component.b.endpoint.c.kv-events"
+        event = router_event({"type": "AllBlocksCleared"}, 1, 0)
+        publish(server.url, [(subject, encode_envelope([event], 7, 0, 1000))])
+        assert read_line(proc.stdout)
+        kill_server(server)
+        seen = read_until(proc.stderr, "disconnected")
+        time.sleep(outage_s)  # the outage itself: nothing to wait for but the clock
+        assert proc.poll() is None, "tap gave up during the outage"
+        server = NatsServer(tmp_path, port=server.port)  # same port, same store
+        seen += read_until(proc.stderr, "reconnected after")
+        # seqs 1 and 2 were "published" during the outage: the envelope's seq shows the loss
+        publish(server.url, [(subject, encode_envelope([event], 7, 3, 2000))])
+        rc, out, rest = rest_of(proc)
+    finally:
+        server.stop()
+    err = "".join(seen) + rest
+    assert rc == 0, err
+    assert len(out.splitlines()) == 1  # the second event (the first was read above)
+    assert "Traceback" not in err and "Error" not in err and "nats: " not in err
+    assert err.count("disconnected") == 1 and err.count("reconnected") == 1
+    assert f"kvctl: {server.url}: disconnected (unexpected EOF); reconnecting" in err
+    assert "seq 1..2 missing (2 batches, not recovered)" in err
+    assert "gaps 1 (2 batches missing" in err
+
+
+def delivered(monitor_port: int, count: int, timeout: float = 10) -> None:
+    """Wait until the server has delivered ``count`` messages to some client (its /connz
+    monitoring page): record prints nothing per message to wait on."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/connz", timeout=2) as r:
+            if any(c.get("out_msgs", 0) >= count for c in json.load(r)["connections"]):
+                return
+        time.sleep(0.05)  # polling the server's own counter: there is no push signal
+    raise AssertionError(f"the server did not deliver {count} messages within {timeout}s")
+
+
+@pytest.mark.parametrize("outage_s", [1, 10])
+def test_record_through_an_outage_keeps_the_gap(tmp_path, outage_s):
+    from conftest import NatsServer
+
+    path = tmp_path / "outage.parquet"
+    monitor = str(free_port())
+    server = NatsServer(tmp_path / "store", "-m", monitor)
+    proc = start_kvctl("record", server.url, "-o", str(path), "-c", "2")
+    try:
+        assert read_until(proc.stderr, "kvctl: ")[-1].startswith("kvctl: recording")
+        subject = "namespace.a.component.b.endpoint.c.kv-events"
+        event = router_event({"type": "AllBlocksCleared"}, 1, 0)
+        publish(server.url, [(subject, encode_envelope([event], 7, 0, 1000))])
+        delivered(int(monitor), 1)  # record has it before the server dies
+        kill_server(server)
+        read_until(proc.stderr, "disconnected")
+        time.sleep(outage_s)  # the outage itself
+        assert proc.poll() is None, "record gave up during the outage"
+        server = NatsServer(tmp_path / "store", "-m", monitor, port=server.port)
+        read_until(proc.stderr, "reconnected after")
+        publish(server.url, [(subject, encode_envelope([event], 7, 3, 2000))])
+        rc, _, err = rest_of(proc, timeout=30)
     finally:
         server.stop()
     assert rc == 0, err
-    assert json.loads(out)["type"] == "AllBlocksCleared"
+    info = json.loads(run_kvctl("inspect", str(path), "--json").stdout)
+    assert (info["gaps"], info["missing"], info["events"]) == (1, 2, 2), info
+
+
+def test_from_start_history_resumes_after_a_restart(tmp_path):
+    """A restarted server has forgotten the ephemeral JetStream consumers: tap creates them
+    again from the message after the last one it got, so nothing repeats and nothing is
+    skipped."""
+    from conftest import NatsServer
+    stream = "namespace-r-component-backend-kv-events"
+    subject = f"{stream}.kv-events"
+
+    def history(first: int) -> list:
+        return [(subject, encode_json(router_event(
+            {"type": "BlockRemoved", "block_hashes": [i]}, 9, i))) for i in range(first, first + 3)]
+
+    server = NatsServer(tmp_path)
+    publish(server.url, history(0), stream=stream)
+    proc = start_kvctl("tap", server.url, "--from-start", "--json", "-c", "6")
+    try:
+        first = read_lines(proc.stdout, 3)
+        kill_server(server)
+        read_until(proc.stderr, "disconnected")
+        server = NatsServer(tmp_path, port=server.port)
+        read_until(proc.stderr, "reconnected after")
+        publish(server.url, history(3), stream=stream)
+        rc, out, err = rest_of(proc, timeout=8)  # not nats-py's own 10-20 s heartbeat timeout
+    finally:
+        server.stop()
+    assert rc == 0, err
+    rows = [json.loads(line) for line in (first + out).splitlines()]
+    assert [r["block_hashes"] for r in rows] == [[0], [1], [2], [3], [4], [5]]
+    assert "Traceback" not in err and "not resumed" not in err
+
+
+def test_connect_timeout_also_bounds_an_outage(tmp_path):
+    from conftest import NatsServer
+
+    server = NatsServer(tmp_path)
+    proc = start_kvctl("tap", server.url, "--connect-timeout", "1")
+    try:
+        wait_ready(proc)
+        kill_server(server)
+        started = time.monotonic()
+        rc, _, err = rest_of(proc, timeout=10)
+    finally:
+        server.stop()
+    assert rc == 1 and time.monotonic() - started < 5, err
+    last = err.splitlines()[-1]  # the reason is the latest attempt's: connection refused
+    assert last == (f"kvctl: {server.url}: disconnected for 1 s (connection refused); giving up "
+                    "(--connect-timeout)")
+    assert "Traceback" not in err

@@ -8,8 +8,8 @@ inproc ZMQ PUSH socket; the pipeline polls the matching PULL socket next to its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +40,7 @@ class NatsOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     connect_timeout: float = 5.0
-    wait_forever: bool = False
-    """Retry the first connection until it succeeds (--connect-timeout 0)."""
+    """Seconds one connection attempt may take (a publisher gives up after it)."""
 
     def connect_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -75,8 +74,116 @@ def is_kv_subject(subject: str) -> bool:
     return True
 
 
+def describe(exc: BaseException) -> str:
+    """One line for a connection error (nats-py's messages carry a "nats: " prefix)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, asyncio.TimeoutError):
+        return "no answer"
+    text = str(exc).removeprefix("nats: ").strip().strip("'") or type(exc).__name__
+    if "authorization violation" in text.lower():
+        return ("authorization violation (see --nats-user/--nats-password, --nats-token, "
+                "--nats-creds)")
+    return text[:1].lower() + text[1:]
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Errors that waiting will not cure: wrong credentials or TLS setup."""
+    import ssl
+
+    from nats import errors
+
+    names = ("AuthorizationError", "InvalidUserCredentialsError", "SecureConnRequiredError",
+             "SecureConnWantedError", "SecureConnFailedError")  # not all in every nats-py 2.x
+    fatal = tuple(getattr(errors, n) for n in names if hasattr(errors, n))
+    if isinstance(exc, (*fatal, ssl.SSLError, FileNotFoundError)):
+        return True
+    text = str(exc).lower()
+    return "authorization violation" in text or "authentication" in text
+
+
+def is_connection_loss(exc: BaseException) -> bool:
+    from nats import errors
+
+    return isinstance(exc, (OSError, asyncio.TimeoutError, errors.StaleConnectionError,
+                            errors.ConnectionClosedError, errors.NoServersError))
+
+
+class History:
+    """--from-start: an ordered JetStream consumer from the first message of every Dynamo
+    KV-event stream. After a reconnect each consumer is created again from the stream
+    sequence after the last message delivered: a restarted server has forgotten the
+    ephemeral consumers, and nats-py would notice only after missing heartbeats for 10 s."""
+
+    RETRY_S = 0.5  # JetStream needs a moment after a server restart
+    RETRIES = 40
+
+    def __init__(self, nc: Any, push: zmq.Socket, control: Any) -> None:
+        self.js = nc.jetstream()
+        self.push = push
+        self.control = control
+        self.subjects: set[str] = set()
+        self.next_seq: dict[str, int] = {}
+        self.subscriptions: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        for info in await self.js.streams_info():
+            config = info.config
+            if not (config.name or "").endswith(KV_STREAM_SUFFIX):
+                continue
+            for subject in config.subjects or ():
+                self.subjects.add(subject)
+                await self._subscribe(subject)
+
+    async def _subscribe(self, subject: str) -> None:
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        push, next_seq = self.push, self.next_seq
+
+        async def forward(msg: Any) -> None:
+            next_seq[subject] = msg.metadata.sequence.stream + 1
+            push.send_multipart([msg.subject.encode(), msg.data], copy=False)
+
+        start = next_seq.get(subject)
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL) if start is None else \
+            ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+        self.subscriptions[subject] = await self.js.subscribe(
+            subject, cb=forward, ordered_consumer=True, config=config)
+
+    async def resume(self, stop: asyncio.Event) -> None:
+        for subject, old in list(self.subscriptions.items()):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(old.unsubscribe(), 2)
+            for attempt in range(self.RETRIES):
+                try:
+                    await self._subscribe(subject)
+                    break
+                except Exception as exc:
+                    if stop.is_set():
+                        return
+                    if attempt == self.RETRIES - 1:
+                        self.control(self.push, "error", f"JetStream history of {subject} not "
+                                     f"resumed: {describe(exc)}")
+                    await asyncio.sleep(self.RETRY_S)
+
+    async def close(self) -> None:
+        for sub in self.subscriptions.values():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sub.unsubscribe(), 2)
+
+
 class Subscriber:
-    """Subscribe to NATS subjects (and optionally JetStream history) in a background thread."""
+    """Subscribe to NATS subjects (and optionally JetStream history) in a background thread.
+
+    The client waits for the server without limit and reconnects without limit, keeping its
+    subscriptions; the caller decides when to give up. Messages arrive on :attr:`socket` as
+    ``[subject, data]``; state changes as ``[CONTROL, kind, text]`` with ``kind`` one of
+    ``up`` (subscribed), ``down`` (connection lost, reconnecting), ``error`` (a problem worth
+    one line while connected) and ``fatal`` (waiting will not help: bad credentials, TLS, or
+    a failed subscription). The thread never writes to stderr itself.
+    """
+
+    RECONNECT_WAIT_S = 0.5  # between attempts: a restarted server is found within ~0.5 s
 
     def __init__(
         self,
@@ -95,114 +202,158 @@ class Subscriber:
         self.socket = context().socket(zmq.PULL)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.bind(self._address)
-        self._ready = threading.Event()
-        self._error: str | None = None
+        self.first_attempt_done = threading.Event()
+        """Set once the first connection attempt succeeded (and subscribed) or failed."""
+        self.last_error = ""
+        """Why the latest connection attempt failed (read by the main thread)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvctl-nats", daemon=True)
 
-    def start(self) -> None:
+    def start(self, first_attempt_s: float = 1.0) -> None:
+        """Start the client; wait at most ``first_attempt_s`` for its first attempt, so that
+        a reachable server is subscribed to before the caller says it is reading (nothing
+        published after that line is missed), while a missing one does not block."""
         self._thread.start()
-        deadline = time.monotonic() + self.options.connect_timeout + 5
-        while not self._ready.wait(0.2):  # short waits: Ctrl-C stays responsive
-            if not self.options.wait_forever and time.monotonic() > deadline:
-                raise TransportError(f"{self.server}: no answer from the NATS server")
-        if self._error:
-            raise TransportError(self._error)
+        self.first_attempt_done.wait(first_attempt_s)
 
     def _run(self) -> None:
         push = context().socket(zmq.PUSH)
         push.setsockopt(zmq.SNDHWM, 0)
         push.connect(self._address)
-        loop = asyncio.new_event_loop()
-        self._loop = loop
         try:
-            loop.run_until_complete(self._main(push))
+            # asyncio.run cancels and awaits every task left (nats-py's and JetStream's)
+            # before closing the loop: no "Task was destroyed but it is pending" at exit
+            asyncio.run(self._main(push))
         except Exception as exc:  # reported to the main thread, never a traceback
-            self._error = self._error or f"{self.server}: {type(exc).__name__}: {exc}"
-            self._ready.set()
-            push.send_multipart([CONTROL, self._error.encode()])
+            self._control(push, "fatal", f"{type(exc).__name__}: {exc}")
         finally:
+            self.first_attempt_done.set()
             push.close(0)
-            loop.close()
+
+    def _control(self, push: zmq.Socket, kind: str, text: str) -> None:
+        push.send_multipart([CONTROL, kind.encode(), text.encode()])
 
     async def _main(self, push: zmq.Socket) -> None:
-        import nats
+        from nats.aio.client import Client
 
-        self._stop = asyncio.Event()
-        closed_reason: list[str] = []
-
-        async def on_closed() -> None:
-            closed_reason.append("connection closed")
-            self._stop.set()
+        self._loop = asyncio.get_running_loop()
+        stop = self._stop = asyncio.Event()
+        if self._stopping.is_set():  # closed before the loop existed
+            return
+        nc = Client()
+        connected = False
+        last_said = ""
 
         async def on_error(exc: Exception) -> None:
-            closed_reason.append(str(exc) or type(exc).__name__)
+            nonlocal last_said
+            reason = describe(exc)
+            self.last_error = reason
+            if is_fatal(exc):
+                self._control(push, "fatal", f"cannot connect to NATS: {reason}")
+                stop.set()
+            elif not connected:
+                self.first_attempt_done.set()  # not there (yet): the caller goes on waiting
+            elif is_connection_loss(exc):
+                pass  # the disconnected callback says it, with this reason
+            elif reason != last_said:
+                last_said = reason  # e.g. a slow consumer: said once, not per message
+                self._control(push, "error", reason)
 
-        while True:
-            try:
-                nc = await nats.connect(servers=[self.server], closed_cb=on_closed,
-                                        error_cb=on_error, **self.options.connect_kwargs())
-                break
-            except Exception as exc:
-                if self.options.wait_forever and not self._stopping:
-                    closed_reason.clear()
-                    await asyncio.sleep(1.0)  # the server may come up later: keep trying
-                    continue
-                reason = closed_reason[-1] if closed_reason else (str(exc) or type(exc).__name__)
-                self._error = f"{self.server}: cannot connect to NATS: {reason}"
-                self._ready.set()
+        async def on_disconnected() -> None:
+            if connected and not self._stopping.is_set():
+                self._control(push, "down", self.last_error or "connection lost")
+
+        history: History | None = None
+        resuming: list[asyncio.Future] = []
+
+        async def on_reconnected() -> None:
+            nonlocal last_said
+            last_said = ""
+            self._control(push, "up", "reconnected")
+            if history is not None:  # in a task: this callback runs inside nats-py's reconnect
+                resuming[:] = [asyncio.ensure_future(history.resume(stop))]
+
+        connect = asyncio.ensure_future(nc.connect(
+            servers=[self.server], error_cb=on_error, disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected, **self._connect_kwargs()))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not connect.done():
+            await self._cancel(connect)
+            await self._close(nc)
+            return
+        stopped.cancel()
+        if connect.exception() is not None:
+            exc = connect.exception()
+            self._control(push, "fatal", f"cannot connect to NATS: {describe(exc)}")
+            return
+        connected = True
+        self._control(push, "up", "connected")  # before the first message, never after it
+        try:
+            if self.from_start:
+                history = History(nc, push, self._control)
+                await history.start()
+            await self._subscribe(nc, push, history.subjects if history else set())
+        except Exception as exc:
+            self._control(push, "fatal", f"subscribe failed: {describe(exc)}")
+            await self._close(nc)
+            return
+        self.first_attempt_done.set()
+        await stop.wait()
+        for task in resuming:
+            task.cancel()
+        if history is not None:  # JetStream consumers first, while the connection is up
+            await history.close()
+        await self._close(nc)
+
+    @staticmethod
+    async def _cancel(task: asyncio.Future, tries: int = 50) -> None:
+        """Cancel ``task`` until it ends: a cancellation that lands as an inner wait_for
+        completes is swallowed (Python < 3.12), and nats-py's connect loop would go on."""
+        for _ in range(tries):
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if done:
+                with contextlib.suppress(BaseException):
+                    task.result()
                 return
-        jetstream_subjects: set[str] = set()
+
+    def _connect_kwargs(self) -> dict[str, Any]:
+        kwargs = self.options.connect_kwargs()
+        kwargs.update(
+            # the caller gives up (--connect-timeout) or not; the client never does
+            max_reconnect_attempts=-1, reconnect_time_wait=self.RECONNECT_WAIT_S,
+            connect_timeout=min(self.options.connect_timeout, 2.0))
+        return kwargs
+
+    async def _subscribe(self, nc: Any, push: zmq.Socket, jetstream_subjects: set[str]) -> None:
+        """Core subscriptions (nats-py renews them after a reconnect); what the JetStream
+        consumers deliver is skipped here, or it would arrive twice."""
 
         async def forward(msg: Any) -> None:
             if msg.subject in jetstream_subjects or not is_kv_subject(msg.subject):
                 return
             push.send_multipart([msg.subject.encode(), msg.data], copy=False)
 
-        async def forward_js(msg: Any) -> None:
-            push.send_multipart([msg.subject.encode(), msg.data], copy=False)
+        for subject in self.subjects:
+            await nc.subscribe(subject, cb=forward)
+        await nc.flush(timeout=self.options.connect_timeout)
 
-        try:
-            if self.from_start:
-                jetstream_subjects.update(await self._subscribe_history(nc, forward_js))
-            for subject in self.subjects:
-                await nc.subscribe(subject, cb=forward)
-            await nc.flush(timeout=self.options.connect_timeout)
-        except Exception as exc:
-            self._error = f"{self.server}: subscribe failed: {exc}"
-            self._ready.set()
-            await nc.close()
+    async def _close(self, nc: Any) -> None:
+        if nc.is_closed:
             return
-        self._ready.set()
-        await self._stop.wait()
-        if closed_reason and not self._stopping:
-            push.send_multipart([CONTROL, f"{self.server}: {closed_reason[-1]}".encode()])
-        if not nc.is_closed:
-            await nc.drain()
-
-    _stopping = False
-
-    async def _subscribe_history(self, nc: Any, cb: Any) -> set[str]:
-        """Ordered consumers from the first message of every Dynamo KV-event stream."""
-        from nats.js.api import DeliverPolicy
-
-        js = nc.jetstream()
-        subjects: set[str] = set()
-        for info in await js.streams_info():
-            config = info.config
-            if not (config.name or "").endswith(KV_STREAM_SUFFIX):
-                continue
-            for subject in config.subjects or ():
-                await js.subscribe(subject, cb=cb, ordered_consumer=True,
-                                   deliver_policy=DeliverPolicy.ALL)
-                subjects.add(subject)
-        return subjects
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), 5)
 
     def close(self) -> None:
-        self._stopping = True
-        if self._loop is not None and self._stop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
+        self._stopping.set()
+        if self._thread.is_alive():
+            loop, stop = self._loop, self._stop
+            if loop is not None and stop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop just ended
+                    loop.call_soon_threadsafe(stop.set)
             self._thread.join(timeout=5)
         self.socket.close(0)
 

@@ -32,8 +32,9 @@ def check_endpoint(endpoint: str) -> None:
 
 
 class Subscriber:
-    """A SUB socket connected to one publisher; its connection state is watched so that a dead
-    endpoint is reported instead of waited on forever."""
+    """A SUB socket connected to one publisher. Until the first connection its state is
+    watched on :attr:`monitor` (the caller polls it and calls :meth:`poll_connection`), so that
+    a missing engine can be reported; then the monitor is stopped."""
 
     def __init__(self, endpoint: str, topic: bytes = b"") -> None:
         check_endpoint(endpoint)
@@ -41,7 +42,7 @@ class Subscriber:
         self.socket = context().socket(zmq.SUB)
         self.socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self._monitor = self.socket.get_monitor_socket(
+        self.monitor = self.socket.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
         )
         self.connected = False
@@ -55,8 +56,8 @@ class Subscriber:
 
     def poll_connection(self) -> None:
         """Update ``connected``/``refused`` from the monitor socket (non-blocking)."""
-        while self._monitor.poll(0):
-            event = zmq.utils.monitor.recv_monitor_message(self._monitor)["event"]
+        while self.monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected, self.refused = True, False
             elif event == zmq.EVENT_CONNECT_RETRIED:
@@ -64,26 +65,15 @@ class Subscriber:
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
 
-    def wait_connected(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.connected:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            if self._monitor.poll(int(min(remaining, 0.05) * 1000) + 1):
-                self.poll_connection()
-        self.stop_monitor()
-        return True
-
     def stop_monitor(self) -> None:
-        """Nobody reads the monitor after start-up: left on, its events (ten reconnect
-        attempts a second while a publisher is gone) fill the queue and block libzmq's I/O
-        thread, freezing the process."""
-        if self._monitor.closed:
+        """Stop watching once connected: an unread monitor (ten reconnect attempts a second
+        while a publisher is gone) fills its queue and blocks libzmq's I/O thread, freezing
+        the process."""
+        if self.monitor.closed:
             return
         with contextlib.suppress(zmq.ZMQError):
             self.socket.disable_monitor()
-        self._monitor.close(0)
+        self.monitor.close(0)
 
     def close(self) -> None:
         self.stop_monitor()
