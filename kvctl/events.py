@@ -53,6 +53,14 @@ CORE_EVENT_FIELDS = (
 
 U64_MASK = (1 << 64) - 1
 
+MAX_DEPTH = 64
+"""How deep containers may nest in one batch, counted from the batch ``[ts, events, dp_rank]``
+(level 1) through its events array (2) and an event (3): a field's value may nest
+``MAX_DEPTH - 3`` levels itself. Real KV events nest 3 levels at most. The decoders turn a
+message beyond the bound into a malformed one (raw frames kept) and the recording layer refuses
+to store deeper values, with this one bound, so that live and recorded counts agree and no
+encoder or reader of a batch comes near Python's recursion limit."""
+
 HASH_STYLES = ("unsigned", "signed", "hex", "string")
 """How 64-bit hashes are shown: ``string`` is the unsigned value as decimal text, for readers
 that parse JSON numbers as IEEE doubles (jq, JavaScript) and round integers above 2^53."""
@@ -117,6 +125,9 @@ _HASH_TYPES = frozenset({int, bytes})
 _TOKEN_TYPES = frozenset({int, str, dict})
 _INT_OR_NIL = frozenset({int, type(None)})
 _STR_OR_NIL = frozenset({str, type(None)})
+_TYPED_FIELD_SET = frozenset(TYPED_FIELDS)
+_VALUE_LEVELS = MAX_DEPTH - 3  # the batch, its events array and the event sit above a value
+_NESTING = f"nests deeper than {MAX_DEPTH} levels"
 _KINDS = {str: "a str", dict: "a map", list: "an array", float: "a float", bool: "a bool",
           bytes: "bytes", int: "an int"}
 
@@ -126,13 +137,16 @@ def _kind(value: Any) -> str:
 
 
 def field_type_error(event: Event) -> str | None:
-    """The first known field of ``event`` whose type no producer sends, described (``None``
-    when every known field has a type some producer uses).
+    """The first known field of ``event`` whose type no producer sends, or the first field
+    whose value nests containers beyond :data:`MAX_DEPTH`, described (``None`` when every
+    known field has a type some producer uses and nothing nests too deep).
 
     On the hot path of every command, so the common case costs a few C-level calls. Token
     ids (the long list) are summed in C first, which raises on str, list, map and nil and
     turns float on a float; only then are the elements looked at one by one. (A bool among
-    token ids passes: msgpack's true sums as 1. Hashes are checked exactly.)"""
+    token ids passes: msgpack's true sums as 1. Hashes are checked exactly.) Once the known
+    fields have their flat shapes, only the containers in other fields (and token maps) can
+    nest: those alone are walked for depth."""
     get = event.get
     hashes = get("block_hashes")
     if hashes is not None:
@@ -175,12 +189,40 @@ def field_type_error(event: Event) -> str | None:
         for h in value:
             if h is not None and type(h) is not int:
                 return f"tokens_hashes holds {_kind(h)}, expected int"
+    for key, value in event.items():
+        t = type(value)
+        if ((t is list or t is dict or t is tuple) and key not in _TYPED_FIELD_SET
+                and nests_deeper(value, _VALUE_LEVELS)):
+            return f"field {_name(key)} {_NESTING}"
     return None
+
+
+def nests_deeper(value: Any, levels: int) -> bool:
+    """Whether containers (list, tuple, map: keys too) nest more than ``levels`` deep in
+    ``value`` (a container is level 1). Iterative, so any depth is safe to look at."""
+    stack = [(value, 1)]
+    while stack:
+        container, level = stack.pop()
+        if level > levels:
+            return True
+        items = container.items() if type(container) is dict else (container,)
+        for part in items:
+            for child in part:
+                t = type(child)
+                if t is list or t is dict or t is tuple:
+                    stack.append((child, level + 1))
+    return False
+
+
+def _name(key: Any) -> str:
+    return repr(key[:40]) if type(key) is str else _kind(key)
 
 
 def _token_error(tokens: list[Any]) -> str | None:
     for token in tokens:
         if type(token) in _TOKEN_TYPES:
+            if type(token) is dict and nests_deeper(token, _VALUE_LEVELS - 1):
+                return f"token_ids holds a token map that {_NESTING}"
             continue
         if type(token) is list and token and all(type(t) is int for t in token):
             continue  # an EAGLE [a, b] pair

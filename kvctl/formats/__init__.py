@@ -2,12 +2,15 @@
 
 Detection is per message, so a source may switch formats (or mix producers) at any time.
 Undecodable input never raises: the batch comes back with ``error`` set and the raw frames kept.
+That includes values nested beyond :data:`~kvctl.events.MAX_DEPTH` (the bound the recording
+layer applies too), and every publisher key a decoder sets is hashable (sequence tracking keys
+on it).
 """
 
 from __future__ import annotations
 
 from ..errors import DecodeError
-from ..events import Batch
+from ..events import MAX_DEPTH, Batch
 from . import dynamo, engine_zmq
 
 __all__ = ["decode_zmq", "decode_nats", "worker_from_topic"]
@@ -69,6 +72,9 @@ def decode_zmq(
     except DecodeError as exc:
         batch.error = str(exc)
         batch.events = []
+    except RecursionError:  # any step that recursed to Python's limit met nesting far too deep
+        batch.error = f"a value nests deeper than {MAX_DEPTH} levels"
+        batch.events = []
     return batch
 
 
@@ -91,6 +97,9 @@ def decode_nats(subject: str, data: bytes, source: str, recv_ns: int = 0) -> Bat
             raise DecodeError("neither JSON, a Dynamo envelope nor an engine batch")
     except DecodeError as exc:
         batch.error = str(exc)
+        batch.events = []
+    except RecursionError:  # any step that recursed to Python's limit met nesting far too deep
+        batch.error = f"a value nests deeper than {MAX_DEPTH} levels"
         batch.events = []
     return batch
 

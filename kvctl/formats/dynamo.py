@@ -15,6 +15,7 @@ BlockRemoved, ``"cleared"`` -> AllBlocksCleared; ``worker_id``, ``dp_rank``, ``e
 from __future__ import annotations
 
 import json
+import reprlib
 import struct
 from collections.abc import Iterable
 from typing import Any
@@ -23,7 +24,14 @@ import msgpack
 import xxhash
 
 from ..errors import DecodeError
-from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, Event, field_type_error
+from ..events import (
+    ALL_BLOCKS_CLEARED,
+    BLOCK_REMOVED,
+    BLOCK_STORED,
+    MAX_DEPTH,
+    Event,
+    field_type_error,
+)
 from .engine_zmq import to_unsigned
 
 TOKENS_HASH_SEED = 1337
@@ -77,6 +85,9 @@ def router_event_to_event(obj: Any) -> Event:
                 event[key] = value
         for block in blocks:
             for key in block.keys() - {"block_hash", "tokens_hash", "mm_extra_info"}:
+                if type(key) is not str:
+                    raise DecodeError(f"stored block has a {type(key).__name__} key,"
+                                      " expected field names")
                 event.setdefault("block_" + key, []).append(block[key])
     elif isinstance(data, dict) and isinstance(data.get("removed"), dict):
         removed = data["removed"]
@@ -88,7 +99,8 @@ def router_event_to_event(obj: Any) -> Event:
             if key != "block_hashes":
                 event[key] = value
     else:
-        raise DecodeError(f"RouterEvent data is not stored/removed/cleared: {str(data)[:60]}")
+        # reprlib: bounded in length and depth, whatever the value holds
+        raise DecodeError(f"RouterEvent data is not stored/removed/cleared: {_short(data)}")
     event["event_id"] = inner.get("event_id")
     event["worker_id"] = obj.get("worker_id")
     event["dp_rank"] = inner.get("dp_rank")
@@ -101,39 +113,81 @@ def router_event_to_event(obj: Any) -> Event:
     return event
 
 
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 3, 40, 40
+_short = _SHORT_REPR.repr
+
+TOO_DEEP = f"nests deeper than {MAX_DEPTH} levels"
+
+
 def decode_json(payload: bytes) -> list[Event]:
     """A JSON RouterEvent (or an array of them)."""
     try:
         obj = json.loads(payload)
+    except RecursionError:  # the parser recursed to Python's limit: far beyond MAX_DEPTH
+        raise DecodeError(f"JSON {TOO_DEEP}") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise DecodeError(f"not JSON: {exc}") from None
     objs = obj if isinstance(obj, list) else [obj]
     return _router_events(objs)
 
 
+_ROUTER_INTS = ("worker_id", "dp_rank", "event_id")
+"""RouterEvent fields Dynamo sends as integers (u64 worker and event ids, u32 dp rank): they key
+per-worker state, so a list or map there would be a key nobody can use."""
+
+
 def _router_events(objs: list[Any]) -> list[Event]:
-    """RouterEvents -> canonical events; a known field of a type Dynamo never sends makes the
-    message undecodable, with the event and field named."""
+    """RouterEvents -> canonical events; a known field of a type Dynamo never sends, or a value
+    nested beyond :data:`~kvctl.events.MAX_DEPTH`, makes the message undecodable, with the
+    event and field named."""
     events = [router_event_to_event(o) for o in objs]
     for i, event in enumerate(events):
         problem = field_type_error(event)
+        if problem is None:
+            for key in _ROUTER_INTS:
+                value = event[key]
+                if value is not None and type(value) is not int:
+                    problem = f"{key} is {_kind(value)}, expected int or nil"
+                    break
         if problem is not None:
             raise DecodeError(f"event {i} ({event['type']}): {problem}")
     return events
 
 
+def _kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a map"
+    return f"a {type(value).__name__}"
+
+
+_ENVELOPE_HEADER = (("publisher_id", (int,), "int"), ("sequence", (int,), "int"),
+                    ("published_at", (int, float), "number"))
+"""Envelope header fields kvctl reads, with the types Dynamo sends (nil: absent). The publisher
+id keys sequence tracking, so it must be something a key can be made of."""
+
+
+def _unpack(payload: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(payload, raw=False)
+    except (msgpack.exceptions.StackError, RecursionError):
+        raise DecodeError(f"{what} {TOO_DEEP}") from None
+    except Exception as exc:
+        raise DecodeError(f"{what} is not msgpack: {type(exc).__name__}: {exc}") from None
+
+
 def decode_envelope(payload: bytes) -> tuple[dict[str, Any], list[Event]]:
     """A Dynamo >= 1.0 msgpack envelope; returns (envelope header, events)."""
-    try:
-        env = msgpack.unpackb(payload, raw=False)
-    except Exception as exc:
-        raise DecodeError(f"not msgpack: {type(exc).__name__}: {exc}") from None
+    env = _unpack(payload, "envelope")
     if not isinstance(env, dict) or not isinstance(env.get("payload"), bytes):
         raise DecodeError("Dynamo envelope must be a map with a binary 'payload'")
-    try:
-        inner = msgpack.unpackb(env["payload"], raw=False)
-    except Exception as exc:
-        raise DecodeError(f"envelope payload is not msgpack: {exc}") from None
+    for key, types, expected in _ENVELOPE_HEADER:
+        value = env.get(key)
+        if value is not None and (type(value) not in types):
+            raise DecodeError(f"envelope {key} is {_kind(value)}, expected {expected} or nil")
+    inner = _unpack(env["payload"], "envelope payload")
     objs = inner if isinstance(inner, list) else [inner]
     header = {k: v for k, v in env.items() if k != "payload"}
     return header, _router_events(objs)

@@ -20,6 +20,7 @@ from ..errors import DecodeError
 from ..events import (
     BLOCK_REMOVED,
     BLOCK_STORED,
+    MAX_DEPTH,
     REMOVED_ARRAY_FIELDS,
     STORED_ARRAY_FIELDS,
     Event,
@@ -64,6 +65,8 @@ _decode = msgspec.msgpack.Decoder(ext_hook=_ext).decode
 def unpack(payload: bytes) -> Any:
     try:
         return _decode(payload)
+    except RecursionError:  # msgspec recursed to Python's limit: far beyond MAX_DEPTH
+        raise DecodeError(f"msgpack nests deeper than {MAX_DEPTH} levels") from None
     except Exception as exc:
         raise DecodeError(f"not msgpack: {exc}") from None
 
@@ -90,8 +93,9 @@ def decode_batch_object(obj: Any) -> tuple[float | None, list[Event], int | None
 
 def decode_events(raw_events: list[Any]) -> tuple[list[Event], str]:
     """Name every event's fields; an event that is not a map or tagged array, or whose known
-    fields carry a type no producer sends (:func:`~kvctl.events.field_type_error`), makes the
-    whole batch undecodable."""
+    fields carry a type no producer sends, or whose values nest beyond
+    :data:`~kvctl.events.MAX_DEPTH` (:func:`~kvctl.events.field_type_error`), makes the whole
+    batch undecodable."""
     maps = arrays = 0
     events: list[Event] = raw_events  # map-form events are used as they come
     for i, ev in enumerate(raw_events):
