@@ -190,28 +190,38 @@ def field_type_error(event: Event) -> str | None:
             if h is not None and type(h) is not int:
                 return f"tokens_hashes holds {_kind(h)}, expected int"
     for key, value in event.items():
+        if type(key) is tuple:
+            return _ARRAY_KEY
         t = type(value)
-        if ((t is list or t is dict or t is tuple) and key not in _TYPED_FIELD_SET
-                and nests_deeper(value, _VALUE_LEVELS)):
-            return f"field {_name(key)} {_NESTING}"
+        if (t is list or t is dict or t is tuple) and key not in _TYPED_FIELD_SET:
+            problem = container_problem(value, _VALUE_LEVELS)
+            if problem is not None:
+                return f"field {_name(key)} {problem}"
     return None
 
 
-def nests_deeper(value: Any, levels: int) -> bool:
-    """Whether containers (list, tuple, map: keys too) nest more than ``levels`` deep in
-    ``value`` (a container is level 1). Iterative, so any depth is safe to look at."""
+_ARRAY_KEY = "has an array as a map key"
+"""msgpack allows any key; an array key (a tuple in Python) cannot be printed as JSON."""
+
+
+def container_problem(value: Any, levels: int) -> str | None:
+    """Why the containers in ``value`` cannot be shown or recorded: nesting more than
+    ``levels`` deep (``value`` itself is level 1), or an array as a map key; ``None`` when
+    they can. Iterative, so any depth is safe to look at."""
     stack = [(value, 1)]
     while stack:
         container, level = stack.pop()
         if level > levels:
-            return True
-        items = container.items() if type(container) is dict else (container,)
-        for part in items:
-            for child in part:
-                t = type(child)
-                if t is list or t is dict or t is tuple:
-                    stack.append((child, level + 1))
-    return False
+            return _NESTING
+        if type(container) is dict:
+            if tuple in set(map(type, container)):
+                return _ARRAY_KEY
+            container = container.values()
+        for child in container:
+            t = type(child)
+            if t is list or t is dict or t is tuple:
+                stack.append((child, level + 1))
+    return None
 
 
 def _name(key: Any) -> str:
@@ -221,8 +231,10 @@ def _name(key: Any) -> str:
 def _token_error(tokens: list[Any]) -> str | None:
     for token in tokens:
         if type(token) in _TOKEN_TYPES:
-            if type(token) is dict and nests_deeper(token, _VALUE_LEVELS - 1):
-                return f"token_ids holds a token map that {_NESTING}"
+            if type(token) is dict:
+                problem = container_problem(token, _VALUE_LEVELS - 1)
+                if problem is not None:
+                    return f"token_ids holds a token map that {problem}"
             continue
         if type(token) is list and token and all(type(t) is int for t in token):
             continue  # an EAGLE [a, b] pair
