@@ -132,6 +132,7 @@ def decode_json(payload: bytes) -> list[Event]:
     return _router_events(objs)
 
 
+_INT_OR_NIL = frozenset({int, type(None)})
 _ROUTER_INTS = ("worker_id", "dp_rank", "event_id")
 """RouterEvent fields Dynamo sends as integers (u64 worker and event ids, u32 dp rank): they key
 per-worker state, so a list or map there would be a key nobody can use."""
@@ -144,12 +145,11 @@ def _router_events(objs: list[Any]) -> list[Event]:
     events = [router_event_to_event(o) for o in objs]
     for i, event in enumerate(events):
         problem = field_type_error(event)
-        if problem is None:
-            for key in _ROUTER_INTS:
-                value = event[key]
-                if value is not None and type(value) is not int:
-                    problem = f"{key} is {_kind(value)}, expected int or nil"
-                    break
+        if problem is None and not (type(event["worker_id"]) in _INT_OR_NIL
+                                    and type(event["dp_rank"]) in _INT_OR_NIL
+                                    and type(event["event_id"]) in _INT_OR_NIL):
+            key = next(k for k in _ROUTER_INTS if type(event[k]) not in _INT_OR_NIL)
+            problem = f"{key} is {_kind(event[key])}, expected int or nil"
         if problem is not None:
             raise DecodeError(f"event {i} ({event['type']}): {problem}")
     return events
@@ -163,8 +163,9 @@ def _kind(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-_ENVELOPE_HEADER = (("publisher_id", (int,), "int"), ("sequence", (int,), "int"),
-                    ("published_at", (int, float), "number"))
+_NUMBER_OR_NIL = frozenset({int, float, type(None)})
+_ENVELOPE_HEADER = (("publisher_id", _INT_OR_NIL, "int"), ("sequence", _INT_OR_NIL, "int"),
+                    ("published_at", _NUMBER_OR_NIL, "number"))
 """Envelope header fields kvctl reads, with the types Dynamo sends (nil: absent). The publisher
 id keys sequence tracking, so it must be something a key can be made of."""
 
@@ -183,10 +184,14 @@ def decode_envelope(payload: bytes) -> tuple[dict[str, Any], list[Event]]:
     env = _unpack(payload, "envelope")
     if not isinstance(env, dict) or not isinstance(env.get("payload"), bytes):
         raise DecodeError("Dynamo envelope must be a map with a binary 'payload'")
-    for key, types, expected in _ENVELOPE_HEADER:
-        value = env.get(key)
-        if value is not None and (type(value) not in types):
-            raise DecodeError(f"envelope {key} is {_kind(value)}, expected {expected} or nil")
+    get = env.get
+    if not (type(get("publisher_id")) in _INT_OR_NIL and type(get("sequence")) in _INT_OR_NIL
+            and type(get("published_at")) in _NUMBER_OR_NIL):
+        for key, types, expected in _ENVELOPE_HEADER:
+            value = get(key)
+            if type(value) not in types:
+                raise DecodeError(f"envelope {key} is {_kind(value)}, expected {expected}"
+                                  " or nil")
     inner = _unpack(env["payload"], "envelope payload")
     objs = inner if isinstance(inner, list) else [inner]
     header = {k: v for k, v in env.items() if k != "payload"}
