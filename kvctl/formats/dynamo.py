@@ -99,8 +99,9 @@ def router_event_to_event(obj: Any) -> Event:
             if key != "block_hashes":
                 event[key] = value
     else:
-        # reprlib: bounded in length and depth, whatever the value holds
-        raise DecodeError(f"RouterEvent data is not stored/removed/cleared: {_short(data)}")
+        # text as sent; anything else through reprlib: bounded in length and depth
+        shown = data[:60] if type(data) is str else _short(data)
+        raise DecodeError(f"RouterEvent data is not stored/removed/cleared: {shown}")
     event["event_id"] = inner.get("event_id")
     event["worker_id"] = obj.get("worker_id")
     event["dp_rank"] = inner.get("dp_rank")
