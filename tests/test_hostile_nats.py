@@ -23,8 +23,8 @@ from inprocess import run_main
 from test_formats_engine import assert_printable_and_recordable
 
 from kvctl.events import MAX_DEPTH
-from kvctl.formats import decode_nats
-from kvctl.formats.dynamo import encode_envelope, encode_json, router_event
+from kvctl.formats import decode_nats, decode_zmq
+from kvctl.formats.dynamo import encode_envelope, encode_event_plane, encode_json, router_event
 from kvctl.pipeline import SeqTracker, Summary
 from kvctl.state import SeqTracker as StateSeqTracker
 from kvctl.stats import StatsCollector
@@ -168,6 +168,20 @@ def test_any_msgpack_on_any_subject(subject, value):
 @given(st.sampled_from(SUBJECTS), hostile_envelopes())
 def test_any_envelope_on_any_subject(subject, data):
     assert_consumable(decode_nats(subject, data, "nats://x"), data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(hostile_envelopes(), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+def test_any_envelope_on_the_zmq_event_plane(envelope, publisher_id, sequence):
+    # Dynamo >= 1.0 without NATS: the same envelopes in 4 ZMQ frames
+    frames = encode_event_plane(envelope, publisher_id, sequence)
+    batch = decode_zmq(frames, "tcp://x")
+    assert batch.frames == frames
+    assert (batch.error is None) != (batch.error is not None and batch.events == [])
+    hash(batch.publisher)
+    SeqTracker(Summary(), None).check(batch)
+    StateSeqTracker().observe(batch)
+    assert_printable_and_recordable(batch)
 
 
 @pytest.mark.parametrize("data, why", [
