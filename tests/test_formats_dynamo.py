@@ -306,3 +306,30 @@ def test_an_envelope_with_an_unhashable_publisher_id_is_malformed_not_a_crash():
         assert batch.error is not None and "publisher_id" in batch.error
         assert batch.frames == [data] and batch.seq is None
         assert hash(batch.publisher)
+
+
+@pytest.mark.parametrize("where, key", [
+    ("RouterEvent", "type"), ("event", "type"), ("stored", "block_hashes"),
+    ("event", "worker_id"), ("RouterEvent", "dp_rank"), ("stored", "block_x"),
+])
+def test_a_field_that_would_replace_a_derived_one_is_malformed(where, key):
+    # {"type": "Gap"} on a RouterEvent must not turn a stored event into kvctl's own row type,
+    # nor a stored "block_x" receive the blocks' "x" values
+    router = router_event(STORED, 3, 0)
+    router["event"]["data"]["stored"]["blocks"][0]["x"] = 1
+    place = {"RouterEvent": router, "event": router["event"],
+             "stored": router["event"]["data"]["stored"]}[where]
+    place[key] = "Gap"
+    for form, batch in _as_each_form(router).items():
+        assert batch.error is not None and "collides" in batch.error, (form, batch.error)
+        assert batch.events == []
+
+
+def test_block_fields_keep_the_order_they_were_sent_in():
+    router = router_event(STORED, 3, 0)
+    for i, block in enumerate(router["event"]["data"]["stored"]["blocks"]):
+        block.update({"zeta": i, "alpha": -i})
+    event = decode_nats("a.kv-events", encode_json(router), "nats://x").events[0]
+    assert event["block_zeta"] == [0, 1] and event["block_alpha"] == [0, -1]
+    keys = list(event)
+    assert keys.index("block_zeta") < keys.index("block_alpha")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from pathlib import Path
 
 import msgpack
@@ -64,6 +65,8 @@ def assert_consumable(batch, data: bytes) -> None:
     assert batch.frames == [data]
     assert (batch.error is None) != (batch.error is not None and batch.events == [])
     hash(batch.publisher)  # sequence tracking keys on it
+    Counter(ev["type"] for ev in batch.events)  # the summary counts events by type
+    assert all(type(ev["type"]) is str for ev in batch.events)
     tracker = SeqTracker(Summary(), None)
     tracker.check(batch)
     tracker.check(batch)  # a second time: the duplicate path
@@ -118,7 +121,9 @@ def doctored_router_events(draw, values) -> list:
         places.append(body)
         places += body.get("blocks", [])
     place = draw(st.sampled_from(places))
-    key = draw(st.sampled_from([*place.keys(), "x"]))
+    # its own keys, a new one, or a name kvctl derives (which must not replace the derived one)
+    key = draw(st.sampled_from([*place.keys(), "x", "type", "block_hashes", "worker_id",
+                                "block_x"]))
     place[key] = draw(values)
     return events
 

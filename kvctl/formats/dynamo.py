@@ -80,24 +80,30 @@ def router_event_to_event(obj: Any) -> Event:
         mm = [b.get("mm_extra_info") for b in blocks]
         if any(m is not None for m in mm):
             event["mm_extra_info"] = mm
-        for key, value in stored.items():
-            if key not in ("blocks", "parent_hash", "lora_name"):
-                event[key] = value
+        _add_extras(event, stored, ("blocks", "parent_hash", "lora_name"), "stored")
+        per_block: dict[str, list[Any]] = {}
         for block in blocks:
-            for key in block.keys() - {"block_hash", "tokens_hash", "mm_extra_info"}:
+            for key in block:  # in the order sent, so every run names fields alike
+                if key in _BLOCK_FIELDS:
+                    continue
                 if type(key) is not str:
                     raise DecodeError(f"stored block has a {type(key).__name__} key,"
                                       " expected field names")
-                event.setdefault("block_" + key, []).append(block[key])
+                values = per_block.get(key)
+                if values is None:
+                    values = per_block[key] = []
+                    if "block_" + key in event:
+                        raise DecodeError(f"stored block field {_short(key)} collides with"
+                                          f" the stored field {_short('block_' + key)}")
+                    event["block_" + key] = values
+                values.append(block[key])
     elif isinstance(data, dict) and isinstance(data.get("removed"), dict):
         removed = data["removed"]
         hashes = removed.get("block_hashes")
         if not isinstance(hashes, list):
             raise DecodeError("removed event without a 'block_hashes' array")
         event = {"type": BLOCK_REMOVED, "block_hashes": hashes, "medium": None}
-        for key, value in removed.items():
-            if key != "block_hashes":
-                event[key] = value
+        _add_extras(event, removed, ("block_hashes",), "removed")
     else:
         # text as sent; anything else through reprlib: bounded in length and depth
         shown = data[:60] if type(data) is str else _short(data)
@@ -105,13 +111,29 @@ def router_event_to_event(obj: Any) -> Event:
     event["event_id"] = inner.get("event_id")
     event["worker_id"] = obj.get("worker_id")
     event["dp_rank"] = inner.get("dp_rank")
-    for key, value in inner.items():
-        if key not in ("data", "event_id", "dp_rank"):
-            event[key] = value
-    for key, value in obj.items():
-        if key not in ("event", "worker_id"):
-            event[key] = value
+    _add_extras(event, inner, ("data", "event_id", "dp_rank"), "event")
+    _add_extras(event, obj, ("event", "worker_id"), "RouterEvent")
     return event
+
+
+_BLOCK_FIELDS = frozenset({"block_hash", "tokens_hash", "mm_extra_info"})
+_DERIVED = frozenset({"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                      "lora_id", "lora_name", "medium", "tokens_hashes", "mm_extra_info",
+                      "event_id", "worker_id", "dp_rank"})
+"""Fields of the canonical event that kvctl derives from a RouterEvent's own structure."""
+
+
+def _add_extras(event: Event, source: dict[Any, Any], skip: tuple[str, ...], where: str) -> None:
+    """Keep every field of ``source`` kvctl does not translate on ``event``. A field named like
+    one kvctl derives (``type``, ``block_hashes``, ...) or one kept from another level would
+    silently replace it (a stored event turned into a ``Gap``): the message is malformed."""
+    for key, value in source.items():
+        if key in skip:
+            continue
+        if key in _DERIVED or key in event:
+            raise DecodeError(f"{where} field {_short(key)} collides with a field kvctl"
+                              " derives or keeps from another level")
+        event[key] = value
 
 
 _SHORT_REPR = reprlib.Repr()
