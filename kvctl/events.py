@@ -236,7 +236,8 @@ def container_problem(value: Any, levels: int) -> str | None:
 
 
 def _name(key: Any) -> str:
-    return repr(key[:40]) if type(key) is str else _kind(key)
+    """A field name as it arrived (str, int, bytes, ...), bounded in length."""
+    return repr(key[:40] if type(key) in (str, bytes) else key)[:60]
 
 
 def _token_error(tokens: list[Any]) -> str | None:
