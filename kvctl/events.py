@@ -61,6 +61,11 @@ message beyond the bound into a malformed one (raw frames kept) and the recordin
 to store deeper values, with this one bound, so that live and recorded counts agree and no
 encoder or reader of a batch comes near Python's recursion limit."""
 
+TS_RANGE = (-62135510400.0, 253402214399.0)
+"""Batch timestamps (s since the epoch) a clock can show: years 1-9999 with a day to spare for
+any time zone. A producer's ts outside it (NaN, inf, a ms value sent as s: year 55,000) makes
+the message malformed, as a wrong type would: no command can show it as a time."""
+
 HASH_STYLES = ("unsigned", "signed", "hex", "string")
 """How 64-bit hashes are shown: ``string`` is the unsigned value as decimal text, for readers
 that parse JSON numbers as IEEE doubles (jq, JavaScript) and round integers above 2^53."""

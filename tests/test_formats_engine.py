@@ -380,6 +380,16 @@ def test_an_array_as_map_key_is_malformed(event):
     assert_printable_and_recordable(batch)
 
 
+@pytest.mark.parametrize("ts", [float("nan"), float("inf"), -1e300, 1.7e12])
+def test_a_ts_no_clock_can_show_is_malformed(ts):
+    # tap's pretty view shows the batch time: NaN, inf or a ms value sent as s would end it
+    batch = decode_zmq(frames_of([ts, [_stored()], 0]), "src")
+    assert batch.error is not None and "is not a time" in batch.error
+    assert_printable_and_recordable(batch)
+    for fine in (0, 1_700_000_000.25, 253402214399):
+        assert decode_zmq(frames_of([fine, [_stored()], 0]), "src").error is None
+
+
 def test_nesting_beyond_what_python_can_parse_is_malformed():
     frames = [b"", b"\x00" * 8, b"\x93\xcb" + b"\x00" * 8 + b"\x91" * 5000 + b"\xc0\x00"]
     batch = decode_zmq(frames, "src")

@@ -26,6 +26,7 @@ from test_formats_engine import assert_printable_and_recordable
 from kvctl.events import MAX_DEPTH
 from kvctl.formats import decode_nats, decode_zmq
 from kvctl.formats.dynamo import encode_envelope, encode_event_plane, encode_json, router_event
+from kvctl.formats.parquet import batches_to_record_batch, record_batch_to_batches
 from kvctl.pipeline import SeqTracker, Summary
 from kvctl.state import SeqTracker as StateSeqTracker
 from kvctl.stats import StatsCollector
@@ -75,6 +76,7 @@ def assert_consumable(batch, data: bytes) -> None:
     stats.feed(batch)
     stats.result()
     assert_printable_and_recordable(batch)
+    assert record_batch_to_batches(batches_to_record_batch([batch])) == [batch]  # read-back
 
 
 deep_values = st.integers(MAX_DEPTH - 6, 300).map(nested)
@@ -197,6 +199,8 @@ def test_any_envelope_on_the_zmq_event_plane(envelope, publisher_id, sequence):
     (envelope_with(publisher_id={"a": 1}), "envelope publisher_id is a map, expected int"),
     (envelope_with(sequence="7"), "envelope sequence is a str, expected int"),
     (envelope_with(published_at=[1]), "envelope published_at is an array, expected number"),
+    (envelope_with(published_at=1e22), "envelope published_at 1e+22 is not a time"),
+    (envelope_with(published_at=float("nan")), "envelope published_at nan is not a time"),
     (encode_json({**router_event(STORED, 1, 0), "x": nested(500)}),
      f"field 'x' nests deeper than {MAX_DEPTH} levels"),
     (encode_json(router_event(STORED, [1], 0)), "worker_id is an array, expected int or nil"),

@@ -112,7 +112,7 @@ def _fill_from_envelope(batch: Batch, envelope: bytes) -> None:
         batch.seq = sequence
         batch.publisher = (batch.source, publisher_id)
     published_at = header.get("published_at")
-    if isinstance(published_at, (int, float)):
+    if isinstance(published_at, (int, float)):  # within TS_RANGE: decode_envelope checked
         batch.ts = published_at / 1000.0
     _worker_from_events(batch)
 

@@ -29,6 +29,7 @@ from ..events import (
     BLOCK_REMOVED,
     BLOCK_STORED,
     MAX_DEPTH,
+    TS_RANGE,
     Event,
     field_type_error,
 )
@@ -187,6 +188,7 @@ def _kind(value: Any) -> str:
 
 
 _NUMBER_OR_NIL = frozenset({int, float, type(None)})
+_PUBLISHED_AT_MIN, _PUBLISHED_AT_MAX = (ts * 1000 for ts in TS_RANGE)
 _ENVELOPE_HEADER = (("publisher_id", _INT_OR_NIL, "int"), ("sequence", _INT_OR_NIL, "int"),
                     ("published_at", _NUMBER_OR_NIL, "number"))
 """Envelope header fields kvctl reads, with the types Dynamo sends (nil: absent). The publisher
@@ -215,6 +217,10 @@ def decode_envelope(payload: bytes) -> tuple[dict[str, Any], list[Event]]:
             if type(value) not in types:
                 raise DecodeError(f"envelope {key} is {_kind(value)}, expected {expected}"
                                   " or nil")
+    published_at = get("published_at")
+    if published_at is not None and not _PUBLISHED_AT_MIN <= published_at <= _PUBLISHED_AT_MAX:
+        raise DecodeError(f"envelope published_at {published_at!r} is not a time (ms since the"
+                          " epoch, years 1-9999)")  # the comparison is also false for NaN
     inner = _unpack(env["payload"], "envelope payload")
     objs = inner if isinstance(inner, list) else [inner]
     header = {k: v for k, v in env.items() if k != "payload"}

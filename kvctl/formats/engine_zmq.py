@@ -23,10 +23,12 @@ from ..events import (
     MAX_DEPTH,
     REMOVED_ARRAY_FIELDS,
     STORED_ARRAY_FIELDS,
+    TS_RANGE,
     Event,
     field_type_error,
 )
 
+_TS_MIN, _TS_MAX = TS_RANGE
 _ARRAY_FIELDS = {BLOCK_STORED: STORED_ARRAY_FIELDS, BLOCK_REMOVED: REMOVED_ARRAY_FIELDS}
 
 # Whole-array lengths (tag included) of each vLLM release that changed them.
@@ -83,6 +85,9 @@ def decode_batch_object(obj: Any) -> tuple[float | None, list[Event], int | None
     dp_rank = obj[2] if len(obj) == 3 else None
     if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         raise DecodeError(f"batch ts is {_describe(ts)}, expected a number")
+    if not _TS_MIN <= ts <= _TS_MAX:  # also false for NaN
+        raise DecodeError(f"batch ts {ts!r} is not a time (seconds since the epoch, years "
+                          "1-9999)")
     if not isinstance(raw_events, list):
         raise DecodeError(f"batch events is {_describe(raw_events)}, expected an array")
     if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool)):
