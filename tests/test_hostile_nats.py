@@ -323,3 +323,8 @@ def test_record_then_cat_and_check_agree_with_what_arrived(nats_server, tmp_path
     assert f"malformed {len(HOSTILE)}" in check.err
     assert (check.out + check.err).count("KV001") >= 1
     assert "KV301" not in check.out + check.err  # nothing was lost on the way
+
+    stats = run_main("stats", str(out_file), "--json")
+    assert stats.code == 0, stats.err
+    overall = json.loads(stats.out)["overall"]
+    assert overall["malformed"] == len(HOSTILE) and overall["events"] == VALID_EVENTS
