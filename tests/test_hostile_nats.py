@@ -76,7 +76,8 @@ def assert_consumable(batch, data: bytes) -> None:
     stats.feed(batch)
     stats.result()
     assert_printable_and_recordable(batch)
-    assert record_batch_to_batches(batches_to_record_batch([batch])) == [batch]  # read-back
+    back = record_batch_to_batches(batches_to_record_batch([batch]))
+    assert repr(back) == repr([batch])  # read back as it came (repr: NaN != NaN)
 
 
 deep_values = st.integers(MAX_DEPTH - 6, 300).map(nested)
@@ -194,7 +195,7 @@ def test_any_envelope_on_the_zmq_event_plane(envelope, publisher_id, sequence):
 @pytest.mark.parametrize("data, why", [
     (b"[" * 5000, f"JSON nests deeper than {MAX_DEPTH} levels"),
     (b"\x91" * 5000 + b"\xc0", f"msgpack nests deeper than {MAX_DEPTH} levels"),
-    (b"\x81\xa1x" + b"\x91" * 5000 + b"\xc0", f"envelope nests deeper than {MAX_DEPTH} levels"),
+    (b"\x81\xa1x" + b"\x91" * 5000 + b"\xc0", f"envelope: msgpack nests deeper than {MAX_DEPTH} levels"),
     (envelope_with(publisher_id=[1]), "envelope publisher_id is an array, expected int"),
     (envelope_with(publisher_id={"a": 1}), "envelope publisher_id is a map, expected int"),
     (envelope_with(sequence="7"), "envelope sequence is a str, expected int"),

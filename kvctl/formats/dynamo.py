@@ -33,7 +33,7 @@ from ..events import (
     Event,
     field_type_error,
 )
-from .engine_zmq import to_unsigned
+from .engine_zmq import to_unsigned, unpack
 
 TOKENS_HASH_SEED = 1337
 EVENT_PLANE_TOPIC = b"kv-events"
@@ -196,12 +196,12 @@ id keys sequence tracking, so it must be something a key can be made of."""
 
 
 def _unpack(payload: bytes, what: str) -> Any:
+    """The engine decoder's msgpack (msgspec): the same values for the same bytes on every
+    path (extension values as maps, timestamps as datetimes), so a recording keeps them."""
     try:
-        return msgpack.unpackb(payload, raw=False)
-    except (msgpack.exceptions.StackError, RecursionError):
-        raise DecodeError(f"{what} {TOO_DEEP}") from None
-    except Exception as exc:
-        raise DecodeError(f"{what} is not msgpack: {type(exc).__name__}: {exc}") from None
+        return unpack(payload)
+    except DecodeError as exc:
+        raise DecodeError(f"{what}: {exc}") from None
 
 
 def decode_envelope(payload: bytes) -> tuple[dict[str, Any], list[Event]]:
