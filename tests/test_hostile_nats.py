@@ -195,7 +195,8 @@ def test_any_envelope_on_the_zmq_event_plane(envelope, publisher_id, sequence):
 @pytest.mark.parametrize("data, why", [
     (b"[" * 5000, f"JSON nests deeper than {MAX_DEPTH} levels"),
     (b"\x91" * 5000 + b"\xc0", f"msgpack nests deeper than {MAX_DEPTH} levels"),
-    (b"\x81\xa1x" + b"\x91" * 5000 + b"\xc0", f"envelope: msgpack nests deeper than {MAX_DEPTH} levels"),
+    (b"\x81\xa1x" + b"\x91" * 5000 + b"\xc0",
+     f"envelope: msgpack nests deeper than {MAX_DEPTH} levels"),
     (envelope_with(publisher_id=[1]), "envelope publisher_id is an array, expected int"),
     (envelope_with(publisher_id={"a": 1}), "envelope publisher_id is a map, expected int"),
     (envelope_with(sequence="7"), "envelope sequence is a str, expected int"),
