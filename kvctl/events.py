@@ -53,6 +53,19 @@ CORE_EVENT_FIELDS = (
 
 U64_MASK = (1 << 64) - 1
 
+MAX_DEPTH = 64
+"""How deep containers may nest in one batch, counted from the batch ``[ts, events, dp_rank]``
+(level 1) through its events array (2) and an event (3): a field's value may nest
+``MAX_DEPTH - 3`` levels itself. Real KV events nest 3 levels at most. The decoders turn a
+message beyond the bound into a malformed one (raw frames kept) and the recording layer refuses
+to store deeper values, with this one bound, so that live and recorded counts agree and no
+encoder or reader of a batch comes near Python's recursion limit."""
+
+TS_RANGE = (-62135510400.0, 253402214399.0)
+"""Batch timestamps (s since the epoch) a clock can show: years 1-9999 with a day to spare for
+any time zone. A producer's ts outside it (NaN, inf, a ms value sent as s: year 55,000) makes
+the message malformed, as a wrong type would: no command can show it as a time."""
+
 HASH_STYLES = ("unsigned", "signed", "hex", "string")
 """How 64-bit hashes are shown: ``string`` is the unsigned value as decimal text, for readers
 that parse JSON numbers as IEEE doubles (jq, JavaScript) and round integers above 2^53."""
@@ -117,6 +130,11 @@ _HASH_TYPES = frozenset({int, bytes})
 _TOKEN_TYPES = frozenset({int, str, dict})
 _INT_OR_NIL = frozenset({int, type(None)})
 _STR_OR_NIL = frozenset({str, type(None)})
+_CONTAINERS = frozenset({list, dict, tuple})
+_CHECKED_KEYS = frozenset(("type", *TYPED_FIELDS))
+"""Fields whose shape is known flat once typed (``type``: the decoders require a string)."""
+_VALUE_LEVELS = MAX_DEPTH - 3  # the batch, its events array and the event sit above a value
+_NESTING = f"nests deeper than {MAX_DEPTH} levels"
 _KINDS = {str: "a str", dict: "a map", list: "an array", float: "a float", bool: "a bool",
           bytes: "bytes", int: "an int"}
 
@@ -126,13 +144,16 @@ def _kind(value: Any) -> str:
 
 
 def field_type_error(event: Event) -> str | None:
-    """The first known field of ``event`` whose type no producer sends, described (``None``
-    when every known field has a type some producer uses).
+    """The first known field of ``event`` whose type no producer sends, or the first field
+    whose value nests containers beyond :data:`MAX_DEPTH`, described (``None`` when every
+    known field has a type some producer uses and nothing nests too deep).
 
     On the hot path of every command, so the common case costs a few C-level calls. Token
     ids (the long list) are summed in C first, which raises on str, list, map and nil and
     turns float on a float; only then are the elements looked at one by one. (A bool among
-    token ids passes: msgpack's true sums as 1. Hashes are checked exactly.)"""
+    token ids passes: msgpack's true sums as 1. Hashes are checked exactly.) Once the known
+    fields have their flat shapes, only the containers in other fields (and token maps) can
+    nest: those alone are walked for depth."""
     get = event.get
     hashes = get("block_hashes")
     if hashes is not None:
@@ -175,12 +196,62 @@ def field_type_error(event: Event) -> str | None:
         for h in value:
             if h is not None and type(h) is not int:
                 return f"tokens_hashes holds {_kind(h)}, expected int"
+    if _CHECKED_KEYS.issuperset(event):  # vLLM/SGLang events: one C-level pass, done
+        return None
+    for key in event.keys() - _CHECKED_KEYS:  # Dynamo's extra fields: scalars, as a rule
+        if type(key) is tuple or type(event[key]) in _CONTAINERS:
+            break
+    else:
+        return None
+    for key, value in event.items():  # in field order, so that the message is always the same
+        if key in _CHECKED_KEYS:
+            continue
+        if type(key) is tuple:
+            return _ARRAY_KEY
+        t = type(value)
+        if t is list or t is dict or t is tuple:
+            problem = container_problem(value, _VALUE_LEVELS)
+            if problem is not None:
+                return f"field {_name(key)} {problem}"
     return None
+
+
+_ARRAY_KEY = "has an array as a map key"
+"""msgpack allows any key; an array key (a tuple in Python) cannot be printed as JSON."""
+
+
+def container_problem(value: Any, levels: int) -> str | None:
+    """Why the containers in ``value`` cannot be shown or recorded: nesting more than
+    ``levels`` deep (``value`` itself is level 1), or an array as a map key; ``None`` when
+    they can. Iterative, so any depth is safe to look at."""
+    stack = [(value, 1)]
+    while stack:
+        container, level = stack.pop()
+        if level > levels:
+            return _NESTING
+        if type(container) is dict:
+            if tuple in set(map(type, container)):
+                return _ARRAY_KEY
+            container = container.values()
+        for child in container:
+            t = type(child)
+            if t is list or t is dict or t is tuple:
+                stack.append((child, level + 1))
+    return None
+
+
+def _name(key: Any) -> str:
+    """A field name as it arrived (str, int, bytes, ...), bounded in length."""
+    return repr(key[:40] if type(key) in (str, bytes) else key)[:60]
 
 
 def _token_error(tokens: list[Any]) -> str | None:
     for token in tokens:
         if type(token) in _TOKEN_TYPES:
+            if type(token) is dict:
+                problem = container_problem(token, _VALUE_LEVELS - 1)
+                if problem is not None:
+                    return f"token_ids holds a token map that {problem}"
             continue
         if type(token) is list and token and all(type(t) is int for t in token):
             continue  # an EAGLE [a, b] pair

@@ -12,6 +12,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvctl.events import MAX_DEPTH
 from kvctl.formats import decode_nats, decode_zmq
 from kvctl.formats.dynamo import (
     encode_envelope,
@@ -249,3 +250,86 @@ def test_any_wrong_typed_router_hash_is_malformed_never_a_crash(field, value):
         batches.append(decode_nats("s", json.dumps(router).encode(), "nats://x"))
     for batch in batches:
         assert batch.error is not None and batch.events == [], batch.error
+
+
+# --- the depth bound: every Dynamo form, the same bound as the recording ----------------------
+
+STORED = {"type": "BlockStored", "block_hashes": [7, 8], "token_ids": list(range(8)),
+          "block_size": 4}
+VALUE_LEVELS = MAX_DEPTH - 3  # the batch, its events array and the event sit above a value
+
+
+def _nested(levels: int) -> list:
+    value: list = [1]
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def _as_each_form(router: dict) -> dict:
+    envelope = encode_envelope([router], 42, 0, 1_700_000_000_000)
+    return {
+        "json": decode_nats("a.kv-events", encode_json(router), "nats://x"),
+        "envelope": decode_nats("a.kv-events", envelope, "nats://x"),
+        "event plane": decode_zmq(encode_event_plane(envelope, 42, 0), "tcp://x"),
+    }
+
+
+@pytest.mark.parametrize("where", ["RouterEvent", "event", "stored", "block"])
+def test_a_value_nested_to_the_bound_is_valid_in_every_form_and_one_more_is_not(where):
+    from kvctl.formats.parquet import MALFORMED, batches_to_record_batch
+
+    def router_with(levels: int) -> dict:
+        router = router_event(STORED, 3, 0)
+        place = {"RouterEvent": router, "event": router["event"],
+                 "stored": router["event"]["data"]["stored"],
+                 "block": router["event"]["data"]["stored"]["blocks"][0]}[where]
+        # a block's extra field becomes a per-block array on the event: one level more
+        place["x"] = _nested(levels - 1 if where == "block" else levels)
+        return router
+
+    for form, batch in _as_each_form(router_with(VALUE_LEVELS)).items():
+        assert batch.error is None, (form, batch.error)
+        assert MALFORMED not in batches_to_record_batch([batch]).to_pydict()["type"]
+    for form, batch in _as_each_form(router_with(VALUE_LEVELS + 1)).items():
+        field = "'block_x'" if where == "block" else "'x'"
+        assert batch.error is not None, form
+        assert f"field {field} nests deeper than {MAX_DEPTH} levels" in batch.error, batch.error
+        assert batch.events == []
+
+
+def test_an_envelope_with_an_unhashable_publisher_id_is_malformed_not_a_crash():
+    good = msgpack.unpackb(encode_envelope([router_event(STORED, 3, 0)], 42, 5, 0))
+    for publisher_id in ([1, 2], {"a": 1}):
+        data = msgpack.packb({**good, "publisher_id": publisher_id})
+        batch = decode_nats("a.kv-events", data, "nats://x")
+        assert batch.error is not None and "publisher_id" in batch.error
+        assert batch.frames == [data] and batch.seq is None
+        assert hash(batch.publisher)
+
+
+@pytest.mark.parametrize("where, key", [
+    ("RouterEvent", "type"), ("event", "type"), ("stored", "block_hashes"),
+    ("event", "worker_id"), ("RouterEvent", "dp_rank"), ("stored", "block_x"),
+])
+def test_a_field_that_would_replace_a_derived_one_is_malformed(where, key):
+    # {"type": "Gap"} on a RouterEvent must not turn a stored event into kvctl's own row type,
+    # nor a stored "block_x" receive the blocks' "x" values
+    router = router_event(STORED, 3, 0)
+    router["event"]["data"]["stored"]["blocks"][0]["x"] = 1
+    place = {"RouterEvent": router, "event": router["event"],
+             "stored": router["event"]["data"]["stored"]}[where]
+    place[key] = "Gap"
+    for form, batch in _as_each_form(router).items():
+        assert batch.error is not None and "collides" in batch.error, (form, batch.error)
+        assert batch.events == []
+
+
+def test_block_fields_keep_the_order_they_were_sent_in():
+    router = router_event(STORED, 3, 0)
+    for i, block in enumerate(router["event"]["data"]["stored"]["blocks"]):
+        block.update({"zeta": i, "alpha": -i})
+    event = decode_nats("a.kv-events", encode_json(router), "nats://x").events[0]
+    assert event["block_zeta"] == [0, 1] and event["block_alpha"] == [0, -1]
+    keys = list(event)
+    assert keys.index("block_zeta") < keys.index("block_alpha")

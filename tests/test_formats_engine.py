@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvctl.events import STORED_ARRAY_FIELDS, TYPED_FIELDS
+from kvctl.events import MAX_DEPTH, STORED_ARRAY_FIELDS, TYPED_FIELDS
 from kvctl.formats import decode_nats, decode_zmq, worker_from_topic
 from kvctl.formats.engine_zmq import ARRAY_LAYOUTS, encode_frames, encode_payload
 
@@ -329,3 +329,100 @@ def test_wrong_typed_known_fields_are_always_malformed_never_a_crash(field, data
     assert batch.error is not None and field in batch.error, batch.error
     assert batch.events == []
     assert_printable_and_recordable(batch)
+
+
+# --- the depth bound: the same in every decoder as in the recording --------------------------
+
+
+def _nested(levels: int, leaf=None) -> list:
+    value: list = [] if leaf is None else [leaf]
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+VALUE_LEVELS = MAX_DEPTH - 3  # the batch, its events array and the event sit above a value
+
+
+@pytest.mark.parametrize("place", ["map", "array", "token map", "map in a map"])
+def test_a_value_nested_to_the_bound_is_valid_and_one_level_more_is_malformed(place):
+    def event_with(levels: int):
+        deep = _nested(levels, 1)
+        if place == "array":  # vLLM's positional form: extra_keys is the 8th element
+            return ["BlockStored", [1], None, [1, 2], 2, None, "GPU", None, deep]
+        if place == "token map":  # a TensorRT-LLM UniqueToken map whose value nests
+            return {**_stored(), "token_ids": [{"token_id": 1, "x": _nested(levels - 2, 1)}]}
+        if place == "map in a map":
+            return {**_stored(), "x": {"k": _nested(levels - 1, 1)}}
+        return {**_stored(), "extra_keys": deep}
+
+    ok = decode_zmq(frames_of([1.0, [event_with(VALUE_LEVELS)], 0]), "src")
+    assert ok.error is None, ok.error
+    assert_printable_and_recordable(ok)
+    from kvctl.formats.parquet import MALFORMED, batches_to_record_batch
+
+    recorded = batches_to_record_batch([ok]).to_pydict()
+    assert MALFORMED not in recorded["type"]  # the recording takes what the decoder took
+
+    frames = frames_of([1.0, [event_with(VALUE_LEVELS + 1)], 0])
+    bad = decode_zmq(frames, "src")
+    assert bad.error is not None and f"nests deeper than {MAX_DEPTH} levels" in bad.error
+    assert bad.events == [] and bad.frames == frames
+    assert_printable_and_recordable(bad)
+
+
+@pytest.mark.parametrize("event", [{**_stored(), (1, 2): 1}, {**_stored(), "x": [{(1,): 1}]},
+                                   {**_stored(), "token_ids": [{(1,): 1}]}])
+def test_an_array_as_map_key_is_malformed(event):
+    # msgpack allows it (msgspec gives a tuple); no JSON line or recording can hold it
+    batch = decode_zmq(frames_of([1.0, [event], 0]), "src")
+    assert batch.error is not None and "has an array as a map key" in batch.error
+    assert_printable_and_recordable(batch)
+
+
+@pytest.mark.parametrize("ts", [float("nan"), float("inf"), -1e300, 1.7e12])
+def test_a_ts_no_clock_can_show_is_malformed(ts):
+    # tap's pretty view shows the batch time: NaN, inf or a ms value sent as s would end it
+    batch = decode_zmq(frames_of([ts, [_stored()], 0]), "src")
+    assert batch.error is not None and "is not a time" in batch.error
+    assert_printable_and_recordable(batch)
+    for fine in (0, 1_700_000_000.25, 253402214399):
+        assert decode_zmq(frames_of([fine, [_stored()], 0]), "src").error is None
+
+
+def test_nesting_beyond_what_python_can_parse_is_malformed():
+    frames = [b"", b"\x00" * 8, b"\x93\xcb" + b"\x00" * 8 + b"\x91" * 5000 + b"\xc0\x00"]
+    batch = decode_zmq(frames, "src")
+    assert batch.error == f"msgpack nests deeper than {MAX_DEPTH} levels"
+    assert batch.frames == frames
+
+
+def test_absurd_array_and_map_headers_are_malformed_without_allocating():
+    for header in (b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff"):
+        payload = b"\x93\xcb" + b"\x00" * 8 + header
+        batch = decode_zmq([b"", b"\x00" * 8, payload], "src")
+        assert batch.error is not None and "truncated" in batch.error
+        nats = decode_nats("x.kv-events", b"\x81\xa7payload" + header, "src")
+        assert nats.error is not None
+
+
+def test_live_tap_and_record_agree_on_a_deep_event(engine, tmp_path):
+    """A 1 KB event nesting 500 levels is one malformed batch for tap and in the recording."""
+    from conftest import finish, start_kvctl
+    from inprocess import run_main
+
+    deep = {**_stored(), "x": _nested(500)}
+    out_file = tmp_path / "deep.parquet"
+    tap = start_kvctl("tap", engine.endpoint, "--json", "-c", "1")
+    record = start_kvctl("record", engine.endpoint, "-c", "1", "-o", str(out_file))
+    engine.wait_for(2)
+    engine.send_raw(frames_of([1.0, [deep], 0], seq=0))  # as sent: the encoder drops "x"
+    engine.send_raw(frames_of([1.0, [_stored()], 0], seq=1))
+    for proc in (tap, record):
+        rc, out, err = finish(proc)
+        assert rc == 0, err
+        assert "malformed 1" in err and "1 event " in err, err
+        assert f"nests deeper than {MAX_DEPTH} levels" in err or proc is record
+    cat = run_main("cat", str(out_file), "--json")
+    assert cat.code == 0 and "malformed 1" in cat.err
+    assert len(cat.out.splitlines()) == 1

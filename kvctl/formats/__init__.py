@@ -2,12 +2,15 @@
 
 Detection is per message, so a source may switch formats (or mix producers) at any time.
 Undecodable input never raises: the batch comes back with ``error`` set and the raw frames kept.
+That includes values nested beyond :data:`~kvctl.events.MAX_DEPTH` (the bound the recording
+layer applies too), and every publisher key a decoder sets is hashable (sequence tracking keys
+on it).
 """
 
 from __future__ import annotations
 
 from ..errors import DecodeError
-from ..events import Batch
+from ..events import MAX_DEPTH, Batch
 from . import dynamo, engine_zmq
 
 __all__ = ["decode_zmq", "decode_nats", "worker_from_topic"]
@@ -69,6 +72,9 @@ def decode_zmq(
     except DecodeError as exc:
         batch.error = str(exc)
         batch.events = []
+    except RecursionError:  # any step that recursed to Python's limit met nesting far too deep
+        batch.error = f"a value nests deeper than {MAX_DEPTH} levels"
+        batch.events = []
     return batch
 
 
@@ -92,6 +98,9 @@ def decode_nats(subject: str, data: bytes, source: str, recv_ns: int = 0) -> Bat
     except DecodeError as exc:
         batch.error = str(exc)
         batch.events = []
+    except RecursionError:  # any step that recursed to Python's limit met nesting far too deep
+        batch.error = f"a value nests deeper than {MAX_DEPTH} levels"
+        batch.events = []
     return batch
 
 
@@ -103,7 +112,7 @@ def _fill_from_envelope(batch: Batch, envelope: bytes) -> None:
         batch.seq = sequence
         batch.publisher = (batch.source, publisher_id)
     published_at = header.get("published_at")
-    if isinstance(published_at, (int, float)):
+    if isinstance(published_at, (int, float)):  # within TS_RANGE: decode_envelope checked
         batch.ts = published_at / 1000.0
     _worker_from_events(batch)
 

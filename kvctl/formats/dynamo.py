@@ -15,6 +15,7 @@ BlockRemoved, ``"cleared"`` -> AllBlocksCleared; ``worker_id``, ``dp_rank``, ``e
 from __future__ import annotations
 
 import json
+import reprlib
 import struct
 from collections.abc import Iterable
 from typing import Any
@@ -23,8 +24,16 @@ import msgpack
 import xxhash
 
 from ..errors import DecodeError
-from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, Event, field_type_error
-from .engine_zmq import to_unsigned
+from ..events import (
+    ALL_BLOCKS_CLEARED,
+    BLOCK_REMOVED,
+    BLOCK_STORED,
+    MAX_DEPTH,
+    TS_RANGE,
+    Event,
+    field_type_error,
+)
+from .engine_zmq import to_unsigned, unpack
 
 TOKENS_HASH_SEED = 1337
 EVENT_PLANE_TOPIC = b"kv-events"
@@ -72,68 +81,147 @@ def router_event_to_event(obj: Any) -> Event:
         mm = [b.get("mm_extra_info") for b in blocks]
         if any(m is not None for m in mm):
             event["mm_extra_info"] = mm
-        for key, value in stored.items():
-            if key not in ("blocks", "parent_hash", "lora_name"):
-                event[key] = value
+        _add_extras(event, stored, ("blocks", "parent_hash", "lora_name"), "stored")
+        per_block: dict[str, list[Any]] = {}
         for block in blocks:
-            for key in block.keys() - {"block_hash", "tokens_hash", "mm_extra_info"}:
-                event.setdefault("block_" + key, []).append(block[key])
+            for key in block:  # in the order sent, so every run names fields alike
+                if key in _BLOCK_FIELDS:
+                    continue
+                if type(key) is not str:
+                    raise DecodeError(f"stored block has a {type(key).__name__} key,"
+                                      " expected field names")
+                values = per_block.get(key)
+                if values is None:
+                    values = per_block[key] = []
+                    if "block_" + key in event:
+                        raise DecodeError(f"stored block field {_short(key)} collides with"
+                                          f" the stored field {_short('block_' + key)}")
+                    event["block_" + key] = values
+                values.append(block[key])
     elif isinstance(data, dict) and isinstance(data.get("removed"), dict):
         removed = data["removed"]
         hashes = removed.get("block_hashes")
         if not isinstance(hashes, list):
             raise DecodeError("removed event without a 'block_hashes' array")
         event = {"type": BLOCK_REMOVED, "block_hashes": hashes, "medium": None}
-        for key, value in removed.items():
-            if key != "block_hashes":
-                event[key] = value
+        _add_extras(event, removed, ("block_hashes",), "removed")
     else:
-        raise DecodeError(f"RouterEvent data is not stored/removed/cleared: {str(data)[:60]}")
+        # text as sent; anything else through reprlib: bounded in length and depth
+        shown = data[:60] if type(data) is str else _short(data)
+        raise DecodeError(f"RouterEvent data is not stored/removed/cleared: {shown}")
     event["event_id"] = inner.get("event_id")
     event["worker_id"] = obj.get("worker_id")
     event["dp_rank"] = inner.get("dp_rank")
-    for key, value in inner.items():
-        if key not in ("data", "event_id", "dp_rank"):
-            event[key] = value
-    for key, value in obj.items():
-        if key not in ("event", "worker_id"):
-            event[key] = value
+    _add_extras(event, inner, ("data", "event_id", "dp_rank"), "event")
+    _add_extras(event, obj, ("event", "worker_id"), "RouterEvent")
     return event
+
+
+_BLOCK_FIELDS = frozenset({"block_hash", "tokens_hash", "mm_extra_info"})
+_DERIVED = frozenset({"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                      "lora_id", "lora_name", "medium", "tokens_hashes", "mm_extra_info",
+                      "event_id", "worker_id", "dp_rank"})
+"""Fields of the canonical event that kvctl derives from a RouterEvent's own structure."""
+
+
+def _add_extras(event: Event, source: dict[Any, Any], skip: tuple[str, ...], where: str) -> None:
+    """Keep every field of ``source`` kvctl does not translate on ``event``. A field named like
+    one kvctl derives (``type``, ``block_hashes``, ...) or one kept from another level would
+    silently replace it (a stored event turned into a ``Gap``): the message is malformed."""
+    for key, value in source.items():
+        if key in skip:
+            continue
+        if key in _DERIVED or key in event:
+            raise DecodeError(f"{where} field {_short(key)} collides with a field kvctl"
+                              " derives or keeps from another level")
+        event[key] = value
+
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 3, 40, 40
+_short = _SHORT_REPR.repr
+
+TOO_DEEP = f"nests deeper than {MAX_DEPTH} levels"
 
 
 def decode_json(payload: bytes) -> list[Event]:
     """A JSON RouterEvent (or an array of them)."""
     try:
         obj = json.loads(payload)
+    except RecursionError:  # the parser recursed to Python's limit: far beyond MAX_DEPTH
+        raise DecodeError(f"JSON {TOO_DEEP}") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise DecodeError(f"not JSON: {exc}") from None
     objs = obj if isinstance(obj, list) else [obj]
     return _router_events(objs)
 
 
+_INT_OR_NIL = frozenset({int, type(None)})
+_ROUTER_INTS = ("worker_id", "dp_rank", "event_id")
+"""RouterEvent fields Dynamo sends as integers (u64 worker and event ids, u32 dp rank): they key
+per-worker state, so a list or map there would be a key nobody can use."""
+
+
 def _router_events(objs: list[Any]) -> list[Event]:
-    """RouterEvents -> canonical events; a known field of a type Dynamo never sends makes the
-    message undecodable, with the event and field named."""
+    """RouterEvents -> canonical events; a known field of a type Dynamo never sends, or a value
+    nested beyond :data:`~kvctl.events.MAX_DEPTH`, makes the message undecodable, with the
+    event and field named."""
     events = [router_event_to_event(o) for o in objs]
     for i, event in enumerate(events):
         problem = field_type_error(event)
+        if problem is None and not (type(event["worker_id"]) in _INT_OR_NIL
+                                    and type(event["dp_rank"]) in _INT_OR_NIL
+                                    and type(event["event_id"]) in _INT_OR_NIL):
+            key = next(k for k in _ROUTER_INTS if type(event[k]) not in _INT_OR_NIL)
+            problem = f"{key} is {_kind(event[key])}, expected int or nil"
         if problem is not None:
             raise DecodeError(f"event {i} ({event['type']}): {problem}")
     return events
 
 
+def _kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a map"
+    return f"a {type(value).__name__}"
+
+
+_NUMBER_OR_NIL = frozenset({int, float, type(None)})
+_PUBLISHED_AT_MIN, _PUBLISHED_AT_MAX = (ts * 1000 for ts in TS_RANGE)
+_ENVELOPE_HEADER = (("publisher_id", _INT_OR_NIL, "int"), ("sequence", _INT_OR_NIL, "int"),
+                    ("published_at", _NUMBER_OR_NIL, "number"))
+"""Envelope header fields kvctl reads, with the types Dynamo sends (nil: absent). The publisher
+id keys sequence tracking, so it must be something a key can be made of."""
+
+
+def _unpack(payload: bytes, what: str) -> Any:
+    """The engine decoder's msgpack (msgspec): the same values for the same bytes on every
+    path (extension values as maps, timestamps as datetimes), so a recording keeps them."""
+    try:
+        return unpack(payload)
+    except DecodeError as exc:
+        raise DecodeError(f"{what}: {exc}") from None
+
+
 def decode_envelope(payload: bytes) -> tuple[dict[str, Any], list[Event]]:
     """A Dynamo >= 1.0 msgpack envelope; returns (envelope header, events)."""
-    try:
-        env = msgpack.unpackb(payload, raw=False)
-    except Exception as exc:
-        raise DecodeError(f"not msgpack: {type(exc).__name__}: {exc}") from None
+    env = _unpack(payload, "envelope")
     if not isinstance(env, dict) or not isinstance(env.get("payload"), bytes):
         raise DecodeError("Dynamo envelope must be a map with a binary 'payload'")
-    try:
-        inner = msgpack.unpackb(env["payload"], raw=False)
-    except Exception as exc:
-        raise DecodeError(f"envelope payload is not msgpack: {exc}") from None
+    get = env.get
+    if not (type(get("publisher_id")) in _INT_OR_NIL and type(get("sequence")) in _INT_OR_NIL
+            and type(get("published_at")) in _NUMBER_OR_NIL):
+        for key, types, expected in _ENVELOPE_HEADER:
+            value = get(key)
+            if type(value) not in types:
+                raise DecodeError(f"envelope {key} is {_kind(value)}, expected {expected}"
+                                  " or nil")
+    published_at = get("published_at")
+    if published_at is not None and not _PUBLISHED_AT_MIN <= published_at <= _PUBLISHED_AT_MAX:
+        raise DecodeError(f"envelope published_at {published_at!r} is not a time (ms since the"
+                          " epoch, years 1-9999)")  # the comparison is also false for NaN
+    inner = _unpack(env["payload"], "envelope payload")
     objs = inner if isinstance(inner, list) else [inner]
     header = {k: v for k, v in env.items() if k != "payload"}
     return header, _router_events(objs)

@@ -20,12 +20,15 @@ from ..errors import DecodeError
 from ..events import (
     BLOCK_REMOVED,
     BLOCK_STORED,
+    MAX_DEPTH,
     REMOVED_ARRAY_FIELDS,
     STORED_ARRAY_FIELDS,
+    TS_RANGE,
     Event,
     field_type_error,
 )
 
+_TS_MIN, _TS_MAX = TS_RANGE
 _ARRAY_FIELDS = {BLOCK_STORED: STORED_ARRAY_FIELDS, BLOCK_REMOVED: REMOVED_ARRAY_FIELDS}
 
 # Whole-array lengths (tag included) of each vLLM release that changed them.
@@ -64,6 +67,8 @@ _decode = msgspec.msgpack.Decoder(ext_hook=_ext).decode
 def unpack(payload: bytes) -> Any:
     try:
         return _decode(payload)
+    except RecursionError:  # msgspec recursed to Python's limit: far beyond MAX_DEPTH
+        raise DecodeError(f"msgpack nests deeper than {MAX_DEPTH} levels") from None
     except Exception as exc:
         raise DecodeError(f"not msgpack: {exc}") from None
 
@@ -80,6 +85,9 @@ def decode_batch_object(obj: Any) -> tuple[float | None, list[Event], int | None
     dp_rank = obj[2] if len(obj) == 3 else None
     if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         raise DecodeError(f"batch ts is {_describe(ts)}, expected a number")
+    if not _TS_MIN <= ts <= _TS_MAX:  # also false for NaN
+        raise DecodeError(f"batch ts {ts!r} is not a time (seconds since the epoch, years "
+                          "1-9999)")
     if not isinstance(raw_events, list):
         raise DecodeError(f"batch events is {_describe(raw_events)}, expected an array")
     if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool)):
@@ -90,8 +98,9 @@ def decode_batch_object(obj: Any) -> tuple[float | None, list[Event], int | None
 
 def decode_events(raw_events: list[Any]) -> tuple[list[Event], str]:
     """Name every event's fields; an event that is not a map or tagged array, or whose known
-    fields carry a type no producer sends (:func:`~kvctl.events.field_type_error`), makes the
-    whole batch undecodable."""
+    fields carry a type no producer sends, or whose values nest beyond
+    :data:`~kvctl.events.MAX_DEPTH` (:func:`~kvctl.events.field_type_error`), makes the whole
+    batch undecodable."""
     maps = arrays = 0
     events: list[Event] = raw_events  # map-form events are used as they come
     for i, ev in enumerate(raw_events):

@@ -33,7 +33,7 @@ import msgpack
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..events import Batch, Event
+from ..events import MAX_DEPTH, Batch, Event
 from . import engine_zmq
 
 SCHEMA_VERSION = 1
@@ -122,10 +122,8 @@ class Gap:
 # --- tagged JSON for the extra columns ----------------------------------------------------------
 
 
-MAX_DEPTH = 64
-"""Containers nested deeper than this inside one value are not recorded as values: the message
-is recorded as Malformed with its raw frames (real KV events nest 3 levels at most; the bound
-keeps every encoder and reader of the recording far from Python's recursion limit)."""
+# MAX_DEPTH (kvctl.events, shared with the decoders): containers nested deeper inside one value
+# are not recorded as values: the message is recorded as Malformed with its raw frames.
 
 
 class NestingTooDeep(ValueError):
