@@ -8,11 +8,14 @@ auto_envvar_prefix, e.g. ``KVCTL_TAP_COUNT=10``); NATS credentials have short na
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .events import EVENT_TYPES, HASH_STYLES
+
+if TYPE_CHECKING:
+    from .transports.nats import NatsOptions
 
 F = Callable[..., Any]
 
@@ -25,6 +28,23 @@ def _stack(*decorators: F) -> Callable[[F], F]:
 
     return apply
 
+
+# NATS credentials and TLS: the same for every command that talks to NATS, reading (tap,
+# record, check, ...) or publishing (replay, simulate, bridge's target)
+nats_auth_options = _stack(
+    click.option("--nats-user", envvar="KVCTL_NATS_USER", metavar="USER", help="NATS user."),
+    click.option("--nats-password", envvar="KVCTL_NATS_PASSWORD", metavar="PASSWORD",
+                 help="NATS password."),
+    click.option("--nats-token", envvar="KVCTL_NATS_TOKEN", metavar="TOKEN", help="NATS token."),
+    click.option("--nats-creds", envvar="KVCTL_NATS_CREDS", metavar="FILE",
+                 type=click.Path(dir_okay=False), help="NATS credentials file."),
+    click.option("--tls-ca", metavar="FILE", type=click.Path(dir_okay=False),
+                 help="CA certificate for a TLS NATS server."),
+    click.option("--tls-cert", metavar="FILE", type=click.Path(dir_okay=False),
+                 help="Client certificate for NATS mutual TLS."),
+    click.option("--tls-key", metavar="FILE", type=click.Path(dir_okay=False),
+                 help="Client key for NATS mutual TLS."),
+)
 
 source_arguments = _stack(
     click.argument("sources", nargs=-1, required=True, metavar="SOURCE..."),
@@ -41,18 +61,7 @@ source_arguments = _stack(
     click.option("--connect-timeout", type=click.FloatRange(min=0), default=5.0,
                  show_default=True, metavar="SECONDS",
                  help="Fail when a source cannot be reached within this time (0: wait forever)."),
-    click.option("--nats-user", envvar="KVCTL_NATS_USER", metavar="USER", help="NATS user."),
-    click.option("--nats-password", envvar="KVCTL_NATS_PASSWORD", metavar="PASSWORD",
-                 help="NATS password."),
-    click.option("--nats-token", envvar="KVCTL_NATS_TOKEN", metavar="TOKEN", help="NATS token."),
-    click.option("--nats-creds", envvar="KVCTL_NATS_CREDS", metavar="FILE",
-                 type=click.Path(dir_okay=False), help="NATS credentials file."),
-    click.option("--tls-ca", metavar="FILE", type=click.Path(dir_okay=False),
-                 help="CA certificate for a TLS NATS server."),
-    click.option("--tls-cert", metavar="FILE", type=click.Path(dir_okay=False),
-                 help="Client certificate for NATS mutual TLS."),
-    click.option("--tls-key", metavar="FILE", type=click.Path(dir_okay=False),
-                 help="Client key for NATS mutual TLS."),
+    nats_auth_options,
 )
 
 filter_options = _stack(
@@ -92,18 +101,23 @@ report_options = _stack(
 )
 
 
-def connection_kwargs(params: dict[str, Any]) -> dict[str, Any]:
-    """Turn the source options of a command into LiveSource keyword arguments."""
+def nats_options(params: dict[str, Any]) -> NatsOptions:
+    """The NATS credentials, TLS files and connect timeout of a command's options (those of
+    :data:`nats_auth_options`, and ``--connect-timeout`` where the command has it)."""
     from .transports.nats import NatsOptions
 
-    nats_options = NatsOptions(
+    timeout = params.get("connect_timeout", 5.0)
+    return NatsOptions(
         user=params["nats_user"], password=params["nats_password"], token=params["nats_token"],
         creds=params["nats_creds"], tls_ca=params["tls_ca"], tls_cert=params["tls_cert"],
-        tls_key=params["tls_key"], connect_timeout=params["connect_timeout"] or 5.0,
-        wait_forever=params["connect_timeout"] == 0,
+        tls_key=params["tls_key"], connect_timeout=timeout or 5.0, wait_forever=timeout == 0,
     )
+
+
+def connection_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    """Turn the source options of a command into LiveSource keyword arguments."""
     return {
-        "nats_options": nats_options,
+        "nats_options": nats_options(params),
         "subjects": list(params["subjects"]),
         "from_start": params["from_start"],
         "replay_endpoints": list(params["replay_endpoints"]),

@@ -209,12 +209,19 @@ class Subscriber:
 
 class Publisher:
     """A NATS publisher usable from synchronous code: messages are queued from the caller's
-    thread and published, in order, by a client running in a background event loop."""
+    thread and published, in order, by a client running in a background event loop.
+
+    It counts what the server took: ``published`` (handed to the connection), ``acked`` (a
+    JetStream stream stored it), and ``failed`` with the last ``failure`` reason (a JetStream
+    publish refused or unanswered). Error messages never show a password from the URL."""
 
     def __init__(self, server: str, options: NatsOptions | None = None) -> None:
+        from ..redact import redact_url
+
         if not server.startswith(("nats://", "tls://")):
-            raise UsageError(f"{server}: not a NATS URL (nats://HOST:PORT)")
+            raise UsageError(f"{redact_url(server)}: not a NATS URL (nats://HOST:PORT)")
         self.server = server
+        self.shown = redact_url(server)
         self.options = options or NatsOptions()
         self._queue: list[tuple[str, bytes, bool]] = []
         self._lock = threading.Lock()
@@ -226,10 +233,17 @@ class Publisher:
         self._closing = False
         self._streams: set[str] = set()
         self.published = 0
+        self.acked = 0
+        self.failed = 0
+        self.failure: str | None = None
         self._thread = threading.Thread(target=self._run, name="kvctl-nats-pub", daemon=True)
         self._thread.start()
         if not self._ready.wait(self.options.connect_timeout + 5) or self._error:
-            raise TransportError(self._error or f"{server}: no answer from the NATS server")
+            raise TransportError(self._error or f"{self.shown}: no answer from the NATS server")
+
+    def counts(self) -> dict[str, Any]:
+        return {"published": self.published, "acked": self.acked, "failed": self.failed,
+                "failure": self.failure}
 
     def ensure_stream(self, name: str, subjects: list[str]) -> None:
         """Create (or extend) a JetStream stream, as Dynamo 0.6-0.9 did for its KV events."""
@@ -259,13 +273,18 @@ class Publisher:
         if self._error:
             raise TransportError(self._error)
 
+    def _fail(self, reason: str) -> str:
+        from ..redact import redact_urls
+
+        return f"{self.shown}: {redact_urls(reason)}"
+
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
         self._loop = loop
         try:
             loop.run_until_complete(self._main())
         except Exception as exc:
-            self._error = self._error or f"{self.server}: {type(exc).__name__}: {exc}"
+            self._error = self._error or self._fail(f"{type(exc).__name__}: {exc}")
         finally:
             self._ready.set()
             self._done.set()
@@ -275,10 +294,19 @@ class Publisher:
         import nats
 
         self._wake = asyncio.Event()
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc) or type(exc).__name__)
+
         try:
-            self._nc = await nats.connect(servers=[self.server], **self.options.connect_kwargs())
+            self._nc = await nats.connect(servers=[self.server], error_cb=on_error,
+                                          **self.options.connect_kwargs())
         except Exception as exc:
-            self._error = f"{self.server}: cannot connect to NATS: {str(exc) or type(exc).__name__}"
+            # nats-py's own exception after a refused login is a bare "no servers available":
+            # the error callback heard the reason (authorization violation, TLS, ...)
+            reason = errors[-1] if errors else (str(exc) or type(exc).__name__)
+            self._error = self._fail(f"cannot connect to NATS: {reason}")
             return
         js = self._nc.jetstream()
         self._ready.set()
@@ -289,7 +317,13 @@ class Publisher:
                 batch, self._queue = self._queue, []
             for subject, data, jetstream in batch:
                 if jetstream:
-                    await js.publish(subject, data)
+                    try:
+                        await js.publish(subject, data)
+                    except Exception as exc:  # counted and reported; the next may pass
+                        self.failed += 1
+                        self.failure = f"JetStream publish: {str(exc) or type(exc).__name__}"
+                        continue
+                    self.acked += 1
                 else:
                     await self._nc.publish(subject, data)
                 self.published += 1
