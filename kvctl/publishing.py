@@ -32,6 +32,10 @@ target_options = [
                       "(llm-d's convention; tap reads the worker back from it)."),
     click.option("--replay-port", type=click.IntRange(1, 65535), metavar="PORT",
                  help="Serve a vLLM-style replay ROUTER on PORT (+ i per worker)."),
+    click.option("--hwm", type=click.IntRange(min=1), default=100_000, show_default=True,
+                 metavar="MESSAGES",
+                 help="ZMQ send high-water mark per subscriber (vLLM's default); a subscriber "
+                      "this far behind makes sending wait (counted in the report)."),
     click.option("--wait-subscribers", type=click.IntRange(min=0), default=0, metavar="N",
                  help="Hold the first batch until N subscribers joined (ZMQ)."),
     click.option("--linger", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
@@ -63,6 +67,7 @@ def open_target(params: dict[str, Any], diagnostics: Any = None, *, per_worker: 
         per_worker=params.get("port_per_worker", False) if per_worker is None else per_worker,
         keep_seq=params.get("keep_seq"), replay_port=params.get("replay_port"),
         array_layout=params.get("array_layout"), worker_topics=params.get("worker_topics"),
+        hwm=params.get("hwm"),
         namespace=params["namespace"], component=params["component"],
         endpoint=params["dynamo_endpoint"], options=nats_options(params),
         on_long_stall=stall_warning(diagnostics) if diagnostics is not None else None)

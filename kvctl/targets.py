@@ -61,6 +61,7 @@ class ZmqTarget:
         buffer_steps: int = 10_000,
         worker_topics: str | None = None,
         flush_timeout: float = 5.0,
+        hwm: int = 100_000,
         on_long_stall: Callable[[float], None] | None = None,
     ) -> None:
         if encoding not in ZMQ_FORMATS:
@@ -77,6 +78,7 @@ class ZmqTarget:
         self.buffer_steps = buffer_steps
         self.worker_topics = worker_topics
         self.flush_timeout = flush_timeout
+        self.hwm = hwm
         self.on_long_stall = on_long_stall
         self.slots: dict[Any, int] = {}
         self.sockets: list[Any] = []
@@ -96,7 +98,7 @@ class ZmqTarget:
         while len(self.sockets) <= slot:
             i = len(self.sockets)
             endpoint = self.endpoint if self.port is None else f"{self.base}:{self.port + i}"
-            publisher = Publisher(endpoint, flush_timeout=self.flush_timeout)
+            publisher = Publisher(endpoint, self.hwm, self.flush_timeout)
             publisher.on_long_stall = self.on_long_stall
             self.sockets.append(publisher)
             self.seqs.append(0)
@@ -353,7 +355,7 @@ def open_target(to: str, encoding: str | None, **kwargs: Any) -> ZmqTarget | Nat
                           **{k: v for k, v in kwargs.items() if k in nats_keys and v is not None})
     if to.startswith(("tcp://", "ipc://", "inproc://")):
         zmq_keys = ("per_worker", "keep_seq", "replay_port", "array_layout", "worker_topics",
-                    "on_long_stall")
+                    "hwm", "on_long_stall")
         return ZmqTarget(to, encoding or "vllm",
                          **{k: v for k, v in kwargs.items() if k in zmq_keys and v is not None})
     raise UsageError(f"--to {to}: expected tcp://HOST:PORT, ipc://PATH or nats://HOST:PORT")

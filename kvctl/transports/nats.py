@@ -305,7 +305,7 @@ class Publisher:
         except Exception as exc:
             # nats-py's own exception after a refused login is a bare "no servers available":
             # the error callback heard the reason (authorization violation, TLS, ...)
-            reason = errors[-1] if errors else (str(exc) or type(exc).__name__)
+            reason = errors[0] if errors else (str(exc) or type(exc).__name__)
             self._error = self._fail(f"cannot connect to NATS: {reason}")
             return
         js = self._nc.jetstream()
