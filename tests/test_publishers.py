@@ -212,3 +212,25 @@ def test_jetstream_acks_are_counted(nats_server, recording):
     assert result.code == 0, result.err
     stream = "namespace-acks-component-backend-kv-events"
     assert f"JetStream: {events} of {events} messages acked by stream {stream}" in result.err
+
+
+def test_simulate_recording_keeps_no_secret_from_its_command_line(tmp_path):
+    import pyarrow.parquet as pq
+    from conftest import run_kvctl
+
+    out = tmp_path / "sim.parquet"
+    result = run_kvctl("simulate", "-o", str(out), "--workers", "1", "--requests", "2",
+                       "--nats-password", PASSWORD, "--nats-token=tok-secret")
+    assert result.returncode == 0, result.stderr
+    footer = pq.ParquetFile(out).metadata.metadata[b"kvctl"].decode()
+    assert PASSWORD not in footer and "tok-secret" not in footer
+    assert "--nats-password" in footer and "***" in footer
+
+
+def test_redact_command():
+    from kvctl.redact import redact_command
+
+    assert redact_command(["replay", "--nats-password", "pw", "--nats-creds=/k/user.creds",
+                           "--to", "nats://u:pw@h:4222", "--nats-user", "u"]) == [
+        "replay", "--nats-password", "***", "--nats-creds=***",
+        "--to", "nats://u:***@h:4222", "--nats-user", "u"]
