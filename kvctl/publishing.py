@@ -70,7 +70,16 @@ def open_target(params: dict[str, Any], diagnostics: Any = None, *, per_worker: 
         hwm=params.get("hwm"),
         namespace=params["namespace"], component=params["component"],
         endpoint=params["dynamo_endpoint"], options=nats_options(params),
-        on_long_stall=stall_warning(diagnostics) if diagnostics is not None else None)
+        on_long_stall=stall_warning(diagnostics) if diagnostics is not None else None,
+        notify=transport_notice(diagnostics) if diagnostics is not None else None)
+
+
+def transport_notice(diagnostics: Any) -> Callable[[str], None]:
+    """Outages and reconnections of a NATS target, as they happen."""
+    def say(line: str) -> None:
+        diagnostics.say(line, "yellow")
+
+    return say
 
 
 def stall_warning(diagnostics: Any) -> Callable[[float], None]:
@@ -174,16 +183,26 @@ def _zmq_lines(d: dict[str, Any]) -> list[tuple[str, str]]:
 def _nats_lines(d: dict[str, Any]) -> list[tuple[str, str]]:
     warn = "yellow"
     if d.get("stream"):
-        lines = [(f"JetStream: {d['acked']:,} of {d['acked'] + d['failed']:,} messages acked by "
-                  f"stream {d['stream']} ({d['subject']})", "" if not d["failed"] else warn)]
-        if d["failed"]:
-            lines.append((f"kvctl: warning: {plural(d['failed'], 'message')} not stored: "
-                          f"{d['failure']}", warn))
-        return lines
-    lines = [(f"Published: {d['published']:,} messages to {d['server']} ({d['subject']})", "")]
+        lines = [(f"JetStream: {d['acked']:,} of {d['acked'] + d['failed'] + d['dropped']:,} "
+                  f"messages acked by stream {d['stream']} ({d['subject']})",
+                  warn if d["failed"] or d["dropped"] else "")]
+    else:
+        lines = [(f"Published: {d['published']:,} messages to {d['server']} ({d['subject']})",
+                  "")]
+    if d["outages"]:
+        lines.append((f"Outages: the server was away {plural(d['outages'], 'time')}, "
+                      f"{d['outage_s']:.1f} s in all; messages waited in kvctl's queue and were "
+                      "published on reconnection", warn))
     if d["failed"]:
         lines.append((f"kvctl: warning: {plural(d['failed'], 'message')} not published: "
                       f"{d['failure']}", warn))
-    lines.append(("Note: NATS core delivers only to subscribers present at that moment and a "
-                  "publisher cannot see them: check what they counted", "dim"))
+    if d["dropped"]:
+        lines.append((f"kvctl: warning: {plural(d['dropped'], 'message')} dropped: "
+                      f"{d['drop_reason']}", warn))
+    if not d.get("stream"):
+        lost = (" and those in flight when a connection broke are lost unseen"
+                if d["outages"] else "")
+        lines.append(("Note: NATS core delivers only to subscribers present at that moment, "
+                      f"has no acks{lost}: a publisher cannot see its subscribers, check what "
+                      "they counted", "dim"))
     return lines

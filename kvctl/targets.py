@@ -227,6 +227,7 @@ class NatsTarget:
         endpoint: str = "generate",
         subject: str | None = None,
         options: Any = None,
+        notify: Callable[[str], None] | None = None,
     ) -> None:
         from .transports.nats import Publisher
 
@@ -237,7 +238,7 @@ class NatsTarget:
         subjects = dynamo_subjects(namespace, component, endpoint)
         self.subject = subject or url_subject or subjects[encoding]
         self.encoding = encoding
-        self.publisher = Publisher(f"{scheme}://{host}", options)
+        self.publisher = Publisher(f"{scheme}://{host}", options, notify=notify)
         self.jetstream = encoding == "dynamo-json"
         self.stream = subjects["stream"] if self.jetstream else None
         if self.stream:
@@ -350,7 +351,7 @@ class RecordingTarget:
 def open_target(to: str, encoding: str | None, **kwargs: Any) -> ZmqTarget | NatsTarget:
     """``--to`` URL -> a target; the format defaults to ``vllm`` for ZMQ, ``dynamo`` for NATS."""
     if to.startswith(("nats://", "tls://")):
-        nats_keys = ("namespace", "component", "endpoint", "subject", "options")
+        nats_keys = ("namespace", "component", "endpoint", "subject", "options", "notify")
         return NatsTarget(to, encoding or "dynamo",
                           **{k: v for k, v in kwargs.items() if k in nats_keys and v is not None})
     if to.startswith(("tcp://", "ipc://", "inproc://")):

@@ -88,7 +88,7 @@ def command(**params: Any) -> None:
     from ..events import Batch
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import Schedule
-    from ..publishing import say_delivery, stall_warning
+    from ..publishing import say_delivery, stall_warning, transport_notice
     from ..redact import redact_command, redact_url
     from ..session import Interrupted
     from ..targets import RecordingTarget, open_target
@@ -118,7 +118,8 @@ def command(**params: Any) -> None:
                              replay_port=params["replay_base_port"],
                              namespace=params["namespace"], component=params["component"],
                              endpoint=params["dynamo_endpoint"], options=nats_options(params),
-                             on_long_stall=stall_warning(diagnostics))
+                             on_long_stall=stall_warning(diagnostics),
+                             notify=transport_notice(diagnostics))
     counts = {"batches": 0, "events": 0, "bytes": 0}
     started, cpu_started = time.monotonic(), time.process_time()
     display = None
