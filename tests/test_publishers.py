@@ -204,11 +204,12 @@ def test_topspeed_into_a_slow_subscriber_waits_and_drops_nothing(tmp_path):
     assert delivery["subscribers_at_start"] == 1 and delivery["flushed"]
 
 
-def test_jetstream_acks_are_counted(nats_server, recording):
+def test_jetstream_acks_are_counted(guarded_nats, recording):
+    # the guarded server, not the shared one: other tests read every stream's history there
     path, batches = recording
     events = sum(len(b.events) for b in batches)
-    result = run_main("replay", str(path), "--to", nats_server.url, "--format", "dynamo-json",
-                      "--namespace", "acks", "--topspeed")
+    result = run_main("replay", str(path), "--to", guarded_nats.url, "--format", "dynamo-json",
+                      "--namespace", "acks", "--topspeed", *CREDENTIALS)
     assert result.code == 0, result.err
     stream = "namespace-acks-component-backend-kv-events"
     assert f"JetStream: {events} of {events} messages acked by stream {stream}" in result.err
