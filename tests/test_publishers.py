@@ -160,6 +160,20 @@ def test_report_gives_subscribers_at_start_and_end(recording):
     finish(tap)
 
 
+def test_a_subscriber_that_left_is_not_counted_at_the_end(recording):
+    to = f"tcp://127.0.0.1:{free_port()}"
+    replay = start_kvctl("replay", str(recording[0]), "--to", to, "--wait-subscribers", "1",
+                         "--rate", "20", "--json")
+    tap = start_kvctl("tap", to, "--json", "-c", "2", "--connect-timeout", "10")
+    rc, _, err = finish(tap)
+    assert rc == 0, err
+    rc, out, err = finish(replay)
+    assert rc == 0, err
+    delivery = json.loads(out)["delivery"]
+    assert (delivery["subscribers_at_start"], delivery["subscribers_at_end"],
+            delivery["subscribers_peak"]) == (1, 0, 1)
+
+
 def big_recording(path, batches: int, hashes: int) -> int:
     """``batches`` engine batches of one event with ``hashes`` block hashes (~9 bytes each)."""
     writer = RecordingWriter(path)

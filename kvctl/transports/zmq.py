@@ -155,8 +155,10 @@ class Publisher:
 
     def __init__(self, endpoint: str, hwm: int = 100_000, flush_timeout: float = 1.0) -> None:
         # its own context: closing it waits for the queued messages (up to the flush timeout)
-        # without waiting on any other socket of the process
-        self._context = zmq.Context(io_threads=1)
+        # without waiting on any other socket of the process; inproc:// peers must share
+        # the process's context, so there the flush is not awaited
+        self._own_context = not endpoint.startswith("inproc://")
+        self._context = zmq.Context(io_threads=1) if self._own_context else context()
         self.socket = self._context.socket(zmq.XPUB)
         # report every subscription, not only the first per topic: several taps all
         # subscribe to "" and each must count
@@ -168,7 +170,8 @@ class Publisher:
             self.endpoint = bind(self.socket, endpoint)
         except TransportError:
             self.socket.close(0)
-            self._context.term()
+            if self._own_context:
+                self._context.term()
             raise
         self.subscribers = 0
         self.peak_subscribers = 0
@@ -184,8 +187,11 @@ class Publisher:
 
     LONG_STALL_S = 2.0
 
-    def _drain_subscriptions(self, timeout_ms: int) -> None:
+    def _drain_subscriptions(self, timeout_ms: int) -> int:
+        """Count the (un)subscriptions that arrived; returns how many."""
+        seen = 0
         while self.socket.poll(timeout_ms, zmq.POLLIN):
+            seen += 1
             msg = self.socket.recv()
             if msg[:1] == b"\x01":
                 self.subscribers += 1
@@ -193,6 +199,7 @@ class Publisher:
             elif msg[:1] == b"\x00":
                 self.subscribers = max(0, self.subscribers - 1)
             timeout_ms = 0
+        return seen
 
     def wait_subscribers(self, count: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -240,8 +247,14 @@ class Publisher:
         them to take what is queued (``flushed`` is False when that time ran out)."""
         if self.socket.closed:
             return
-        self._drain_subscriptions(0)
+        # a departed subscriber's unsubscription is processed only while the socket waits
+        # (a zero-timeout poll may not see it): short waits until nothing more comes
+        for _ in range(1000):
+            if not self._drain_subscriptions(10):
+                break
         self.socket.close(linger=int(self.flush_timeout * 1000))
+        if not self._own_context:
+            return
         started = time.monotonic()
         self._context.term()
         self.flushed = time.monotonic() - started < self.flush_timeout * 0.95
