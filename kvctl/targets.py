@@ -359,7 +359,10 @@ def open_target(to: str, encoding: str | None, **kwargs: Any) -> ZmqTarget | Nat
                     "hwm", "on_long_stall")
         return ZmqTarget(to, encoding or "vllm",
                          **{k: v for k, v in kwargs.items() if k in zmq_keys and v is not None})
-    raise UsageError(f"--to {to}: expected tcp://HOST:PORT, ipc://PATH or nats://HOST:PORT")
+    from .redact import redact_url
+
+    raise UsageError(f"--to {redact_url(to)}: expected tcp://HOST:PORT, ipc://PATH or "
+                     "nats://HOST:PORT")
 
 
 def salt_hashes(event: Event, salt: int) -> Event:

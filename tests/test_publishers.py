@@ -249,3 +249,49 @@ def test_redact_command():
                            "--to", "nats://u:pw@h:4222", "--nats-user", "u"]) == [
         "replay", "--nats-password", "***", "--nats-creds=***",
         "--to", "nats://u:***@h:4222", "--nats-user", "u"]
+
+
+@pytest.fixture(scope="module")
+def tls_nats(tmp_path_factory: pytest.TempPathFactory):
+    """A nats-server that requires TLS (certificate signed by a throwaway CA) and a login."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is needed to make the test certificates")
+    folder = tmp_path_factory.mktemp("tls")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True,
+                       timeout=30)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+            "ca.pem", "-days", "1", "-subj", "/CN=kvctl-test-ca")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
+            "server.csr", "-subj", "/CN=127.0.0.1")
+    (folder / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "san.cnf")
+    server = NatsServer(folder / "store", "--tls", "--tlscert", str(folder / "server.pem"),
+                        "--tlskey", str(folder / "server.key"), "--user", USER, "--pass",
+                        PASSWORD)
+    yield server, str(folder / "ca.pem")
+    server.stop()
+
+
+def test_tls_options_reach_the_publisher(tls_nats):
+    server, ca = tls_nats
+    tap = start_kvctl("tap", server.url, "--json", "--idle-timeout", "2", "--tls-ca", ca,
+                      *CREDENTIALS)
+    wait_ready(tap)
+    result = run_main("simulate", "--to", server.url, "--workers", "1", "--requests", "3",
+                      "--topspeed", "--json", "--tls-ca", ca, *CREDENTIALS)
+    assert result.code == 0, result.err
+    report = json.loads(result.out)
+    rc, out, err = finish(tap)
+    assert rc == 0, err
+    assert report["events"] > 0 and len(rows_of(out)) == report["events"]
+    untrusted = run_main("simulate", "--to", server.url, "--workers", "1", "--requests", "1",
+                         "--topspeed", *CREDENTIALS)
+    assert untrusted.code == 1
+    assert untrusted.err.count("\n") == 1 and "CERTIFICATE_VERIFY_FAILED" in untrusted.err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -260,6 +261,7 @@ class Publisher:
         self._msg_prefix = f"kvctl-{os.getpid()}-{time.time_ns()}-"
         self._msg_number = 0
         self._lost_at: float | None = None
+        self._connect_errors: list[str] = []
         self.published = 0
         self.acked = 0
         self.failed = 0
@@ -271,7 +273,9 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name="kvctl-nats-pub", daemon=True)
         self._thread.start()
         if not self._ready.wait(self.options.connect_timeout + 5) or self._error:
-            raise TransportError(self._error or f"{self.shown}: no answer from the NATS server")
+            heard = f": {self._connect_errors[0]}" if self._connect_errors else ""
+            raise TransportError(self._error or self._fail(f"no answer from the NATS server"
+                                                           f"{heard}"))
 
     def counts(self) -> dict[str, Any]:
         return {"published": self.published, "acked": self.acked, "failed": self.failed,
@@ -349,7 +353,10 @@ class Publisher:
 
         self._wake = asyncio.Event()
         self._connected = asyncio.Event()
-        errors: list[str] = []
+        errors = self._connect_errors
+        # asyncio logs "returning true from eof_received() has no effect when using ssl" when a
+        # TLS server is reached without TLS: the error line says it better, once
+        logging.getLogger("asyncio").setLevel(logging.ERROR)
 
         async def on_error(exc: Exception) -> None:
             errors.append(str(exc) or type(exc).__name__)
