@@ -1,53 +1,71 @@
-"""Secrets never shown: the password or token inside a URL is replaced by ``***`` before the
-URL is printed, stored or put in an error message."""
+"""Credentials never written or shown: passwords, tokens and credential paths are replaced by
+``***`` in URLs and command lines before they reach a file (Parquet footer, journal, manifest)
+or a screen (``inspect``, stderr). Pure functions, no I/O."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from typing import Any
 
 MASK = "***"
 
-# scheme://USERINFO@rest: userinfo is everything up to the last "@" before the first "/"
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#]*)@")
+# scheme://userinfo@ -- greedy up to the last '@' before the path, so that an unencoded '@' in a
+# password is masked too.
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/\s]*)@")
+_SECRET_QUERY = re.compile(
+    r"(?P<key>[?&;](?:[\w.-]*(?:pass(?:word)?|passwd|token|secret|creds|nkey|jwt|key))=)"
+    r"(?P<value>[^&;#\s]*)", re.IGNORECASE)
+# Options whose value is a secret or the path of one (NATS auth, TLS private key).
+_SECRET_OPTION = re.compile(
+    r"^--[\w-]*(?:password|passwd|token|secret|creds|nkey|jwt|tls-key)$", re.IGNORECASE)
 
 
-def redact_url(url: str) -> str:
-    """``nats://user:secret@host:4222`` -> ``nats://user:***@host:4222``; a lone token
-    (``nats://TOKEN@host``) becomes ``nats://***@host``; URLs without credentials are
-    returned unchanged."""
-    match = _USERINFO.match(url)
-    if match is None:
-        return url
-    user, sep, _secret = match["userinfo"].partition(":")
-    shown = f"{user}:{MASK}" if sep else MASK
-    return f"{match['scheme']}{shown}@{url[match.end():]}"
+def _mask_userinfo(match: re.Match[str]) -> str:
+    userinfo = match["userinfo"]
+    user, sep, _ = userinfo.partition(":")
+    # user:password -> user:***; a lone userinfo is a NATS token (nats://TOKEN@host) -> ***
+    return f"{match['scheme']}{user}:{MASK}@" if sep else f"{match['scheme']}{MASK}@"
 
 
-def redact_urls(text: str) -> str:
-    """Every URL with credentials inside a longer text (an error message, a command line)."""
-    return re.sub(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#]*@\S*",
-                  lambda m: redact_url(m.group()), text)
+def redact_url(text: str) -> str:
+    """``text`` (a URL, or any string holding URLs such as ``0=nats://u:p@h:4222``) with every
+    password, URL token and secret query value replaced by ``***``."""
+    if "@" not in text and "=" not in text:
+        return text  # fast path: nothing a credential could hide in
+    text = _USERINFO.sub(_mask_userinfo, text)
+    return _SECRET_QUERY.sub(lambda m: m["key"] + MASK, text)
 
 
-SECRET_OPTIONS = ("--nats-password", "--nats-token", "--nats-creds")
-"""Options whose value is a secret (a credentials file's path included: it says where the
-keys are)."""
-
-
-def redact_command(argv: list[str]) -> list[str]:
-    """A command line fit to store or show: values of :data:`SECRET_OPTIONS` (``--opt VALUE``
-    or ``--opt=VALUE``) and passwords inside URLs become ``***``."""
-    shown: list[str] = []
+def redact_argv(argv: Iterable[str]) -> list[str]:
+    """A command line with the values of secret options (``--nats-password X``,
+    ``--nats-token=X``, ``--nats-creds FILE``, ``--tls-key FILE``) and URL credentials
+    replaced by ``***``."""
+    out: list[str] = []
     hide_next = False
     for arg in argv:
+        arg = str(arg)
         if hide_next:
-            shown.append(MASK)
+            out.append(MASK)
             hide_next = False
             continue
-        name, sep, _ = arg.partition("=")
-        if name in SECRET_OPTIONS:
-            shown.append(f"{name}={MASK}" if sep else arg)
-            hide_next = not sep
+        name, eq, _ = arg.partition("=")
+        if _SECRET_OPTION.match(name):
+            if eq:
+                out.append(f"{name}={MASK}")
+            else:
+                out.append(arg)
+                hide_next = True
             continue
-        shown.append(redact_urls(arg))
-    return shown
+        out.append(redact_url(arg))
+    return out
+
+
+def redact_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """A recording's metadata with ``sources`` and ``command`` redacted (other keys as is)."""
+    out = dict(metadata)
+    if isinstance(out.get("sources"), list):
+        out["sources"] = [redact_url(s) if isinstance(s, str) else s for s in out["sources"]]
+    if isinstance(out.get("command"), list):
+        out["command"] = redact_argv(out["command"])
+    return out

@@ -89,7 +89,7 @@ def command(**params: Any) -> None:
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import Schedule
     from ..publishing import say_delivery, stall_warning, transport_notice
-    from ..redact import redact_command, redact_url
+    from ..redact import redact_argv, redact_url
     from ..session import Interrupted
     from ..targets import RecordingTarget, open_target
 
@@ -110,7 +110,7 @@ def command(**params: Any) -> None:
         raise click.UsageError("-o writes a recording; --to publishes: choose one")
     if params["output"]:
         target: Any = RecordingTarget(params["output"], params["encoding"],
-                                      metadata={"command": redact_command(sys.argv[1:]),
+                                      metadata={"command": redact_argv(sys.argv[1:]),
                                                 "simulated": True})
         params["topspeed"] = True  # a dataset, not a live stream: no pacing
     else:

@@ -326,9 +326,9 @@ class Publisher:
             raise TransportError(self._error)
 
     def _fail(self, reason: str) -> str:
-        from ..redact import redact_urls
+        from ..redact import redact_url
 
-        return f"{self.shown}: {redact_urls(reason)}"
+        return f"{self.shown}: {redact_url(reason)}"
 
     def _say(self, line: str) -> None:
         if self.notify is not None:
