@@ -273,3 +273,26 @@ def test_tls_options_reach_the_publisher(tls_nats):
                          "--topspeed", *CREDENTIALS)
     assert untrusted.code == 1
     assert untrusted.err.count("\n") == 1 and "CERTIFICATE_VERIFY_FAILED" in untrusted.err
+
+
+def test_simulate_interrupted_still_says_who_could_receive():
+    """Ctrl-C: the report says what the sockets saw, here a worker nobody subscribed to."""
+    from conftest import free_port_range, interrupt
+
+    base = free_port_range(2)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{base}")  # worker 0 only
+    simulate = start_kvctl("simulate", "--workers", "2", "--base-port", str(base),
+                           "--speedup", "20", "--router", "round-robin")
+    try:
+        for _ in range(5):  # by then worker 1 has published too (round-robin)
+            assert sub.poll(15_000), "worker 0 published nothing"
+            sub.recv_multipart()
+    finally:
+        sub.close(0)
+    interrupt(simulate)
+    rc, _, err = finish(simulate)
+    assert rc == 130, err
+    assert "1 of 2 sockets had no subscriber" in err
+    assert ", 0 at end, 1 at most over 2 sockets" in err  # the subscriber left before the end

@@ -123,6 +123,7 @@ def command(**params: Any) -> None:
     counts = {"batches": 0, "events": 0, "bytes": 0}
     started, cpu_started = time.monotonic(), time.process_time()
     display = None
+    interrupted = False
     try:
         if params["output"]:
             diagnostics.say(f"kvctl: {plural(params['workers'], 'worker')} recording to "
@@ -158,12 +159,16 @@ def command(**params: Any) -> None:
             if display is not None:
                 display.tick()
     except KeyboardInterrupt:
-        raise Interrupted(_summary_line(fleet, counts), params["quiet"]) from None
+        interrupted = True
     finally:
         if display is not None:
             display.stop()
         target.close()
     delivery = target.delivery()
+    if interrupted:  # what was published so far, and who could have received it
+        if not params["as_json"]:
+            say_delivery(delivery, counts["batches"], diagnostics)
+        raise Interrupted(_summary_line(fleet, counts), params["quiet"])
     result = {**fleet.stats(), **counts, "wall_s": round(time.monotonic() - started, 3),
               "cpu_s": round(time.process_time() - cpu_started, 3), "delivery": delivery}
     if params["as_json"]:

@@ -216,6 +216,9 @@ class Publisher:
             self._next_drain = now + self.DRAIN_INTERVAL_S
             self._drain_subscriptions(0)
         if self.subscribers_at_start is None:
+            # a zero-timeout poll may leave the latest subscriptions unprocessed: wait 1 ms
+            while self._drain_subscriptions(1):
+                pass
             self.subscribers_at_start = self.subscribers
         try:
             self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
