@@ -56,19 +56,17 @@ def with_target_options(func: Any) -> Any:
     return func
 
 
-def open_target(params: dict[str, Any], diagnostics: Any = None, *, per_worker: bool | None = None,
-                to: str | None = None) -> Any:
+def open_target(params: dict[str, Any], diagnostics: Any = None) -> Any:
     """The target of a sending command's options (``--to``, ``--format``, the NATS
-    credentials, ...). ``diagnostics`` hears, once, about a subscriber holding the sends."""
+    credentials, ...). ``diagnostics`` hears of a subscriber holding the sends (once) and of
+    NATS outages, as they happen."""
     from .targets import open_target as open_url
 
     return open_url(
-        to or params["to"], params["encoding"],
-        per_worker=params.get("port_per_worker", False) if per_worker is None else per_worker,
-        keep_seq=params.get("keep_seq"), replay_port=params.get("replay_port"),
-        array_layout=params.get("array_layout"), worker_topics=params.get("worker_topics"),
-        hwm=params.get("hwm"),
-        namespace=params["namespace"], component=params["component"],
+        params["to"], params["encoding"], per_worker=params["port_per_worker"],
+        keep_seq=params["keep_seq"], replay_port=params["replay_port"],
+        array_layout=params["array_layout"], worker_topics=params["worker_topics"],
+        hwm=params["hwm"], namespace=params["namespace"], component=params["component"],
         endpoint=params["dynamo_endpoint"], options=nats_options(params),
         on_long_stall=stall_warning(diagnostics) if diagnostics is not None else None,
         notify=transport_notice(diagnostics) if diagnostics is not None else None)
