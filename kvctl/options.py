@@ -8,11 +8,14 @@ auto_envvar_prefix, e.g. ``KVCTL_TAP_COUNT=10``); NATS credentials have short na
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .events import EVENT_TYPES, HASH_STYLES
+
+if TYPE_CHECKING:
+    from .transports.nats import NatsOptions
 
 F = Callable[..., Any]
 
@@ -25,6 +28,23 @@ def _stack(*decorators: F) -> Callable[[F], F]:
 
     return apply
 
+
+# NATS credentials and TLS: the same for every command that talks to NATS, reading (tap,
+# record, check, ...) or publishing (replay, simulate, bridge's target)
+nats_auth_options = _stack(
+    click.option("--nats-user", envvar="KVCTL_NATS_USER", metavar="USER", help="NATS user."),
+    click.option("--nats-password", envvar="KVCTL_NATS_PASSWORD", metavar="PASSWORD",
+                 help="NATS password."),
+    click.option("--nats-token", envvar="KVCTL_NATS_TOKEN", metavar="TOKEN", help="NATS token."),
+    click.option("--nats-creds", envvar="KVCTL_NATS_CREDS", metavar="FILE",
+                 type=click.Path(dir_okay=False), help="NATS credentials file."),
+    click.option("--tls-ca", metavar="FILE", type=click.Path(dir_okay=False),
+                 help="CA certificate for a TLS NATS server."),
+    click.option("--tls-cert", metavar="FILE", type=click.Path(dir_okay=False),
+                 help="Client certificate for NATS mutual TLS."),
+    click.option("--tls-key", metavar="FILE", type=click.Path(dir_okay=False),
+                 help="Client key for NATS mutual TLS."),
+)
 
 source_arguments = _stack(
     click.argument("sources", nargs=-1, required=True, metavar="SOURCE..."),
@@ -43,18 +63,7 @@ source_arguments = _stack(
                  help="Give up (exit 1) when a source is not there within this time, or a NATS "
                       "server is gone this long. Default: wait without limit, saying so on "
                       "stderr after 3 s (0 also waits without limit)."),
-    click.option("--nats-user", envvar="KVCTL_NATS_USER", metavar="USER", help="NATS user."),
-    click.option("--nats-password", envvar="KVCTL_NATS_PASSWORD", metavar="PASSWORD",
-                 help="NATS password."),
-    click.option("--nats-token", envvar="KVCTL_NATS_TOKEN", metavar="TOKEN", help="NATS token."),
-    click.option("--nats-creds", envvar="KVCTL_NATS_CREDS", metavar="FILE",
-                 type=click.Path(dir_okay=False), help="NATS credentials file."),
-    click.option("--tls-ca", metavar="FILE", type=click.Path(dir_okay=False),
-                 help="CA certificate for a TLS NATS server."),
-    click.option("--tls-cert", metavar="FILE", type=click.Path(dir_okay=False),
-                 help="Client certificate for NATS mutual TLS."),
-    click.option("--tls-key", metavar="FILE", type=click.Path(dir_okay=False),
-                 help="Client key for NATS mutual TLS."),
+    nats_auth_options,
 )
 
 filter_options = _stack(
@@ -94,23 +103,27 @@ report_options = _stack(
 )
 
 
+def nats_options(params: dict[str, Any]) -> NatsOptions:
+    """The NATS credentials, TLS files and connect timeout of a command's options (those of
+    :data:`nats_auth_options`, and ``--connect-timeout`` where the command has it)."""
+    from .transports.nats import NatsOptions
+
+    return NatsOptions(
+        user=params["nats_user"], password=params["nats_password"], token=params["nats_token"],
+        creds=params["nats_creds"], tls_ca=params["tls_ca"], tls_cert=params["tls_cert"],
+        tls_key=params["tls_key"], connect_timeout=params.get("connect_timeout") or 5.0,
+    )
+
+
 def connection_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     """Turn the source options of a command into LiveSource keyword arguments (plus ``quiet``,
     which :func:`kvctl.session.open_source` turns into the notice channel)."""
-    from .transports.nats import NatsOptions
-
-    give_up_after = params["connect_timeout"] or None  # 0: wait forever, as before
-    nats_options = NatsOptions(
-        user=params["nats_user"], password=params["nats_password"], token=params["nats_token"],
-        creds=params["nats_creds"], tls_ca=params["tls_ca"], tls_cert=params["tls_cert"],
-        tls_key=params["tls_key"], connect_timeout=give_up_after or 5.0,
-    )
     return {
-        "nats_options": nats_options,
+        "nats_options": nats_options(params),
         "subjects": list(params["subjects"]),
         "from_start": params["from_start"],
         "replay_endpoints": list(params["replay_endpoints"]),
-        "connect_timeout": give_up_after,
+        "connect_timeout": params["connect_timeout"] or None,  # 0: wait forever, as before
         "topic": params["topic"].encode(),
         "quiet": bool(params.get("quiet", False)),
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .errors import UsageError
@@ -59,6 +60,9 @@ class ZmqTarget:
         array_layout: str = engine_zmq.DEFAULT_ARRAY_LAYOUT,
         buffer_steps: int = 10_000,
         worker_topics: str | None = None,
+        flush_timeout: float = 5.0,
+        hwm: int = 100_000,
+        on_long_stall: Callable[[float], None] | None = None,
     ) -> None:
         if encoding not in ZMQ_FORMATS:
             raise UsageError(f"--format {encoding} is not a ZMQ format: {', '.join(ZMQ_FORMATS)}")
@@ -73,6 +77,9 @@ class ZmqTarget:
         self.array_layout = array_layout
         self.buffer_steps = buffer_steps
         self.worker_topics = worker_topics
+        self.flush_timeout = flush_timeout
+        self.hwm = hwm
+        self.on_long_stall = on_long_stall
         self.slots: dict[Any, int] = {}
         self.sockets: list[Any] = []
         self.seqs: list[int] = []
@@ -91,7 +98,9 @@ class ZmqTarget:
         while len(self.sockets) <= slot:
             i = len(self.sockets)
             endpoint = self.endpoint if self.port is None else f"{self.base}:{self.port + i}"
-            self.sockets.append(Publisher(endpoint))
+            publisher = Publisher(endpoint, self.hwm, self.flush_timeout)
+            publisher.on_long_stall = self.on_long_stall
+            self.sockets.append(publisher)
             self.seqs.append(0)
             if self.replay_port is not None:
                 host = self.base if self.port is not None else "tcp://127.0.0.1"
@@ -164,6 +173,24 @@ class ZmqTarget:
         for r in self.replays:
             r.close()
 
+    def delivery(self) -> dict[str, Any]:
+        """What the sockets saw of their subscribers (read after ``close``): counts at the
+        first send, at the end and at the peak (summed over sockets), sockets that sent to
+        nobody, back-pressure stalls, and whether the last queued batches were taken."""
+        used = [s for s in self.sockets if s.subscribers_at_start is not None]
+        return {
+            "transport": "zmq",
+            "sockets": len(self.sockets),
+            "subscribers_at_start": sum(s.subscribers_at_start or 0 for s in used),
+            "subscribers_at_end": sum(s.subscribers for s in self.sockets),
+            "subscribers_peak": sum(s.peak_subscribers for s in self.sockets),
+            "sockets_without_subscribers": sum(1 for s in used if s.peak_subscribers == 0),
+            "stalls": sum(s.stalls for s in self.sockets),
+            "stalled_s": round(sum(s.stalled_s for s in self.sockets), 3),
+            "flushed": all(s.flushed is not False for s in self.sockets),
+            "flush_timeout_s": self.flush_timeout,
+        }
+
 
 def from_nats(batch: Batch) -> bool:
     """The message came from a NATS subscription (one frame: the message data)."""
@@ -200,6 +227,7 @@ class NatsTarget:
         endpoint: str = "generate",
         subject: str | None = None,
         options: Any = None,
+        notify: Callable[[str], None] | None = None,
     ) -> None:
         from .transports.nats import Publisher
 
@@ -210,10 +238,11 @@ class NatsTarget:
         subjects = dynamo_subjects(namespace, component, endpoint)
         self.subject = subject or url_subject or subjects[encoding]
         self.encoding = encoding
-        self.publisher = Publisher(f"{scheme}://{host}", options)
+        self.publisher = Publisher(f"{scheme}://{host}", options, notify=notify)
         self.jetstream = encoding == "dynamo-json"
-        if self.jetstream:
-            self.publisher.ensure_stream(subjects["stream"], [self.subject])
+        self.stream = subjects["stream"] if self.jetstream else None
+        if self.stream:
+            self.publisher.ensure_stream(self.stream, [self.subject])
         self.worker_ids: dict[Any, int] = {}
         self.event_ids: dict[int, int] = {}
         self.sequences: dict[int, int] = {}
@@ -261,6 +290,19 @@ class NatsTarget:
     def close(self) -> None:
         self.publisher.close()
 
+    def delivery(self) -> dict[str, Any]:
+        """What the server took (read after ``close``): messages published, and with
+        JetStream the acks of the stream and the publishes it refused."""
+        from .redact import redact_url
+
+        return {
+            "transport": "nats",
+            "server": redact_url(self.publisher.server),
+            "subject": self.subject,
+            "stream": self.stream,
+            **self.publisher.counts(),
+        }
+
 
 class RecordingTarget:
     """Engine batches written straight into a recording (no sockets): each worker's messages
@@ -302,18 +344,25 @@ class RecordingTarget:
     def close(self) -> dict[str, Any]:
         return self.writer.close()
 
+    def delivery(self) -> None:
+        return None  # a file: everything written is there
+
 
 def open_target(to: str, encoding: str | None, **kwargs: Any) -> ZmqTarget | NatsTarget:
     """``--to`` URL -> a target; the format defaults to ``vllm`` for ZMQ, ``dynamo`` for NATS."""
     if to.startswith(("nats://", "tls://")):
-        nats_keys = ("namespace", "component", "endpoint", "subject", "options")
+        nats_keys = ("namespace", "component", "endpoint", "subject", "options", "notify")
         return NatsTarget(to, encoding or "dynamo",
                           **{k: v for k, v in kwargs.items() if k in nats_keys and v is not None})
     if to.startswith(("tcp://", "ipc://", "inproc://")):
-        zmq_keys = ("per_worker", "keep_seq", "replay_port", "array_layout", "worker_topics")
+        zmq_keys = ("per_worker", "keep_seq", "replay_port", "array_layout", "worker_topics",
+                    "hwm", "on_long_stall")
         return ZmqTarget(to, encoding or "vllm",
                          **{k: v for k, v in kwargs.items() if k in zmq_keys and v is not None})
-    raise UsageError(f"--to {to}: expected tcp://HOST:PORT, ipc://PATH or nats://HOST:PORT")
+    from .redact import redact_url
+
+    raise UsageError(f"--to {redact_url(to)}: expected tcp://HOST:PORT, ipc://PATH or "
+                     "nats://HOST:PORT")
 
 
 def salt_hashes(event: Event, salt: int) -> Event:

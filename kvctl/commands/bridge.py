@@ -15,8 +15,9 @@ from ..options import (
     report_options,
     source_arguments,
 )
+from ..publishing import linger, make_report, open_target, print_report, with_target_options
+from ..redact import redact_url
 from ..text import plural
-from .replay import linger, make_report, open_target_from, print_report, with_target_options
 
 
 @click.command("bridge", cls=KvctlCommand)
@@ -41,7 +42,7 @@ def command(**params: Any) -> None:
     from ..targets import Sender
 
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
-    target = open_target_from(params)
+    target = open_target(params, diagnostics)
     source = None
     summary = Summary()
     sender = Sender(target, params["encoding"])
@@ -54,8 +55,8 @@ def command(**params: Any) -> None:
             while not target.wait_subscribers(params["wait_subscribers"], 0.2):
                 pass
         source = open_source(params["sources"], **connection_kwargs(params))
-        diagnostics.say(f"kvctl: bridging {', '.join(params['sources'])} -> {params['to']}",
-                        "dim")
+        shown = ", ".join(map(redact_url, params["sources"]))
+        diagnostics.say(f"kvctl: bridging {shown} -> {redact_url(params['to'])}", "dim")
         run(source, sender, make_limits(params), make_filters(params),
             _Forwarding(diagnostics, sender), summary=summary)
         linger(target, params["linger"])

@@ -8,54 +8,9 @@ from typing import Any
 import click
 
 from ..help import KvctlCommand
-from ..options import filter_options, report_options
-from ..targets import NATS_FORMATS, ZMQ_FORMATS
+from ..options import filter_options, nats_auth_options, report_options
+from ..publishing import linger, make_report, open_target, print_report, with_target_options
 from ..text import plural
-
-target_options = [
-    click.option("--to", required=True, metavar="URL",
-                 help="tcp://HOST:PORT or ipc://PATH (a PUB that binds, as an engine does) or "
-                      "nats://HOST:PORT[/SUBJECT] (Dynamo)."),
-    click.option("--format", "encoding", type=click.Choice([*ZMQ_FORMATS, *NATS_FORMATS]),
-                 help="raw (recorded bytes; default for engine batches to ZMQ), vllm, "
-                      "vllm-array, sglang, seed; dynamo (default on NATS), dynamo-json."),
-    click.option("--array-layout", default="0.22", show_default=True,
-                 type=click.Choice(["0.9", "0.10.2", "0.14", "0.17", "0.20", "0.22"]),
-                 help="vLLM release whose array length --format vllm-array writes."),
-    click.option("--port-per-worker", is_flag=True,
-                 help="One PUB per worker on consecutive ports (port + i), like vLLM DP ranks."),
-    click.option("--keep-seq", is_flag=True, help="Send the recorded seq instead of a fresh one."),
-    click.option("--worker-topics", metavar="MODEL",
-                 help="All workers on one socket, each message on topic kv@<worker>@MODEL "
-                      "(llm-d's convention; tap reads the worker back from it)."),
-    click.option("--replay-port", type=click.IntRange(1, 65535), metavar="PORT",
-                 help="Serve a vLLM-style replay ROUTER on PORT (+ i per worker)."),
-    click.option("--wait-subscribers", type=click.IntRange(min=0), default=0, metavar="N",
-                 help="Hold the first batch until N subscribers joined (ZMQ)."),
-    click.option("--linger", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
-                 help="Keep sockets (and the replay ROUTER) open this long after the end."),
-    click.option("--namespace", default="dynamo", show_default=True, help="Dynamo namespace."),
-    click.option("--component", default="backend", show_default=True,
-                 help="Dynamo component."),
-    click.option("--endpoint", "dynamo_endpoint", default="generate", show_default=True,
-                 help="Dynamo endpoint."),
-]
-
-
-def with_target_options(func: Any) -> Any:
-    for option in reversed(target_options):
-        func = option(func)
-    return func
-
-
-def open_target_from(params: dict[str, Any]) -> Any:
-    from ..targets import open_target
-
-    return open_target(params["to"], params["encoding"], per_worker=params["port_per_worker"],
-                       keep_seq=params["keep_seq"], replay_port=params["replay_port"],
-                       array_layout=params["array_layout"],
-                       worker_topics=params["worker_topics"], namespace=params["namespace"],
-                       component=params["component"], endpoint=params["dynamo_endpoint"])
 
 
 def parse_window(value: str | None) -> tuple[str, float] | None:
@@ -73,6 +28,7 @@ def parse_window(value: str | None) -> tuple[str, float] | None:
 @click.argument("recordings", nargs=-1, required=True, metavar="RECORDING...",
                 type=click.Path(exists=True))
 @with_target_options
+@nats_auth_options
 @click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=1.0,
               show_default=True, help="Scale the recorded timing (2 = twice as fast).")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), metavar="BATCHES_PER_S",
@@ -120,7 +76,7 @@ def command(**params: Any) -> None:
     # paced sends must not stall while the next chunk is decoded (256 rows: ~3 ms stalls)
     source = RecordingSource(list(params["recordings"]),
                              chunk_rows=4096 if params["topspeed"] else 256)
-    target = open_target_from(params)
+    target = open_target(params, diagnostics)
     speed = None if params["topspeed"] or params["rate"] else params["speed"]
     schedule = Schedule(None if params["topspeed"] else (1.0 if params["rate"] else speed))
     sender = Sender(target, params["encoding"])
@@ -192,14 +148,6 @@ def command(**params: Any) -> None:
         raise Interrupted("interrupted", params["quiet"])
 
 
-def linger(target: Any, seconds: float) -> None:
-    """Keep the target's sockets (and replay ROUTERs, still answering) open a while."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        target.service()
-        time.sleep(0.01)
-
-
 def _salt(loop: int) -> int:
     import xxhash
 
@@ -214,41 +162,6 @@ def _in_window(batch: Any, offset: float, start: Any, end: Any) -> bool:
         if value is None or not ok(value, bound[1]):
             return False
     return True
-
-
-def make_report(sender: Any, elapsed: float, schedule: Any, cpu_s: float) -> dict[str, Any]:
-    elapsed = max(elapsed, 1e-9)
-    return {
-        "batches": sender.batches, "events": sender.events, "bytes": sender.bytes,
-        "skipped": sender.skipped, "elapsed_s": round(elapsed, 6),
-        "batches_per_s": sender.batches / elapsed, "events_per_s": sender.events / elapsed,
-        "mbps": sender.bytes * 8 / elapsed / 1e6, "lateness": schedule.report(),
-        "cpu_s": round(cpu_s, 3), "cpu_percent": round(100 * cpu_s / elapsed, 1),
-    }
-
-
-def print_report(report: dict[str, Any], params: dict[str, Any], diagnostics: Any) -> None:
-    from ..output import dumps
-
-    if params.get("as_json"):
-        click.echo(dumps(report))
-        return
-    late = report["lateness"]
-    lines = [f"Actual: {plural(report['batches'], 'batch')} ({plural(report['events'], 'event')}, "
-             f"{plural(report['bytes'], 'byte', thousands=True)}) sent in "
-             f"{report['elapsed_s']:.3f} s",
-             f"Rated: {report['batches_per_s']:,.1f} batches/s, {report['events_per_s']:,.1f} "
-             f"events/s, {report['mbps']:.3f} Mbps"]
-    if late:
-        lines.append(f"Timing: lateness median {late['median_ms']:.3f} ms, p99 "
-                     f"{late['p99_ms']:.3f} ms, max {late['max_ms']:.3f} ms, "
-                     f"{plural(late['late_over_1ms'], 'send')} later than 1 ms")
-    lines.append(f"CPU: {report['cpu_s']:.2f} s ({report['cpu_percent']:.0f}% of one core)")
-    if report.get("skipped"):
-        lines.append(f"Skipped: {plural(report['skipped'], 'malformed message')} (sent only "
-                     "with raw)")
-    for line in lines:
-        diagnostics.say(line)
 
 
 class _Progress:

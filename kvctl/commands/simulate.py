@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..help import KvctlCommand
-from ..options import report_options
+from ..options import nats_auth_options, nats_options, report_options
 from ..text import plural
 
 
@@ -64,6 +64,7 @@ from ..text import plural
               help="Hold the first batch until N subscribers joined each worker's socket.")
 @click.option("--start-delay", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
               help="Wait this long after binding before publishing.")
+@nats_auth_options
 @report_options
 def command(**params: Any) -> None:
     """Run a synthetic engine fleet that publishes realistic KV-cache events.
@@ -87,6 +88,8 @@ def command(**params: Any) -> None:
     from ..events import Batch
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import Schedule
+    from ..publishing import say_delivery, stall_warning, transport_notice
+    from ..redact import redact_argv, redact_url
     from ..session import Interrupted
     from ..targets import RecordingTarget, open_target
 
@@ -107,16 +110,20 @@ def command(**params: Any) -> None:
         raise click.UsageError("-o writes a recording; --to publishes: choose one")
     if params["output"]:
         target: Any = RecordingTarget(params["output"], params["encoding"],
-                                      metadata={"command": sys.argv[1:], "simulated": True})
+                                      metadata={"command": redact_argv(sys.argv[1:]),
+                                                "simulated": True})
         params["topspeed"] = True  # a dataset, not a live stream: no pacing
     else:
         target = open_target(to, params["encoding"], per_worker=True,
                              replay_port=params["replay_base_port"],
                              namespace=params["namespace"], component=params["component"],
-                             endpoint=params["dynamo_endpoint"])
+                             endpoint=params["dynamo_endpoint"], options=nats_options(params),
+                             on_long_stall=stall_warning(diagnostics),
+                             notify=transport_notice(diagnostics))
     counts = {"batches": 0, "events": 0, "bytes": 0}
     started, cpu_started = time.monotonic(), time.process_time()
     display = None
+    interrupted = False
     try:
         if params["output"]:
             diagnostics.say(f"kvctl: {plural(params['workers'], 'worker')} recording to "
@@ -126,7 +133,8 @@ def command(**params: Any) -> None:
             diagnostics.say(f"kvctl: {plural(params['workers'], 'worker')} publishing on "
                             f"{endpoints[0]} .. {endpoints[-1]}", "dim")
         else:
-            diagnostics.say(f"kvctl: {plural(params['workers'], 'worker')} publishing to {to} "
+            diagnostics.say(f"kvctl: {plural(params['workers'], 'worker')} publishing to "
+                            f"{redact_url(to)} "
                             f"({target.subject})", "dim")
         if params["wait_subscribers"]:
             waiting = plural(params["wait_subscribers"], "subscriber")
@@ -151,17 +159,23 @@ def command(**params: Any) -> None:
             if display is not None:
                 display.tick()
     except KeyboardInterrupt:
-        raise Interrupted(_summary_line(fleet, counts), params["quiet"]) from None
+        interrupted = True
     finally:
         if display is not None:
             display.stop()
         target.close()
+    delivery = target.delivery()
+    if interrupted:  # what was published so far, and who could have received it
+        if not params["as_json"]:
+            say_delivery(delivery, counts["batches"], diagnostics)
+        raise Interrupted(_summary_line(fleet, counts), params["quiet"])
     result = {**fleet.stats(), **counts, "wall_s": round(time.monotonic() - started, 3),
-              "cpu_s": round(time.process_time() - cpu_started, 3)}
+              "cpu_s": round(time.process_time() - cpu_started, 3), "delivery": delivery}
     if params["as_json"]:
         click.echo(dumps(result))
     else:
         _print_summary(fleet, counts, diagnostics)
+        say_delivery(delivery, counts["batches"], diagnostics)
 
 
 def _summary_line(fleet: Any, counts: dict[str, int]) -> str:

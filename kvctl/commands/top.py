@@ -13,10 +13,9 @@ from ..events import BLOCK_REMOVED, BLOCK_STORED, Batch
 from ..help import KvctlCommand
 from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
-from ..session import Interrupted
+from ..session import Interrupted, read
 from ..state import SeqTracker, StreamState, WorkerKey, recv_time, worker_label
 from ..text import plural
-from .check import read
 
 # Sort keys -> row field; every numeric column sorts largest first (what `top` users expect).
 SORT_KEYS = {"worker": "worker", "cached": "blocks_cached", "stores": "stored_blocks_per_s",

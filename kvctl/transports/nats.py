@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import threading
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -360,27 +365,74 @@ class Subscriber:
 
 class Publisher:
     """A NATS publisher usable from synchronous code: messages are queued from the caller's
-    thread and published, in order, by a client running in a background event loop."""
+    thread and published, in order, by a client running in a background event loop.
 
-    def __init__(self, server: str, options: NatsOptions | None = None) -> None:
+    It survives server outages: the client reconnects without limit, and while it is away the
+    messages wait in kvctl's queue, bounded by ``buffer_bytes``; when that is full, ``publish``
+    waits (back-pressure: nothing is dropped for lack of room). JetStream publishes carry a
+    ``Nats-Msg-Id``, so one retried after a lost ack is stored once.
+
+    It counts what happened: ``published`` (handed to a live connection; with JetStream: acked
+    by the stream, ``acked``), ``failed`` with the last ``failure`` (refused, or unanswered
+    after retries), ``dropped`` with ``drop_reason`` (still queued when the server stayed away
+    at the end), ``outages`` and ``outage_s``. Error messages never show a password from the
+    URL; ``notify`` (if given) hears of each outage and reconnection, as one line."""
+
+    BUFFER_BYTES = 64 * 1024 * 1024
+    END_WAIT_S = 10.0
+    """How long ``close`` waits for an absent server before counting the rest as dropped."""
+    RETRIES = 10
+    """Attempts of one JetStream publish on a live connection (no ack, no responder yet)."""
+
+    def __init__(self, server: str, options: NatsOptions | None = None,
+                 buffer_bytes: int = BUFFER_BYTES,
+                 notify: Callable[[str], None] | None = None) -> None:
+        from ..redact import redact_url
+
         if not server.startswith(("nats://", "tls://")):
-            raise UsageError(f"{server}: not a NATS URL (nats://HOST:PORT)")
+            raise UsageError(f"{redact_url(server)}: not a NATS URL (nats://HOST:PORT)")
         self.server = server
+        self.shown = redact_url(server)
         self.options = options or NatsOptions()
-        self._queue: list[tuple[str, bytes, bool]] = []
-        self._lock = threading.Lock()
+        self.buffer_bytes = buffer_bytes
+        self.notify = notify
+        self._queue: deque[tuple[str, bytes, bool]] = deque()
+        self._queued_bytes = 0
+        self._room = threading.Condition()
         self._ready = threading.Event()
         self._done = threading.Event()
         self._error: str | None = None
         self._wake: asyncio.Event | None = None
+        self._connected: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._disconnecting = False
+        self._end_deadline: float | None = None
         self._streams: set[str] = set()
+        self._msg_prefix = f"kvctl-{os.getpid()}-{time.time_ns()}-"
+        self._msg_number = 0
+        self._lost_at: float | None = None
+        self._connect_errors: list[str] = []
         self.published = 0
+        self.acked = 0
+        self.failed = 0
+        self.failure: str | None = None
+        self.dropped = 0
+        self.drop_reason: str | None = None
+        self.outages = 0
+        self.outage_s = 0.0
         self._thread = threading.Thread(target=self._run, name="kvctl-nats-pub", daemon=True)
         self._thread.start()
         if not self._ready.wait(self.options.connect_timeout + 5) or self._error:
-            raise TransportError(self._error or f"{server}: no answer from the NATS server")
+            heard = f": {self._connect_errors[0]}" if self._connect_errors else ""
+            raise TransportError(self._error or self._fail(f"no answer from the NATS server"
+                                                           f"{heard}"))
+
+    def counts(self) -> dict[str, Any]:
+        return {"published": self.published, "acked": self.acked, "failed": self.failed,
+                "failure": self.failure, "dropped": self.dropped,
+                "drop_reason": self.drop_reason, "outages": self.outages,
+                "outage_s": round(self.outage_s, 3)}
 
     def ensure_stream(self, name: str, subjects: list[str]) -> None:
         """Create (or extend) a JetStream stream, as Dynamo 0.6-0.9 did for its KV events."""
@@ -400,15 +452,38 @@ class Publisher:
 
     def publish(self, subject: str, data: bytes, jetstream: bool = False) -> None:
         self._raise_if_failed()
-        with self._lock:
+        with self._room:
+            # back-pressure: wait for room (short waits keep Ctrl-C responsive)
+            while self._queued_bytes and self._queued_bytes + len(data) > self.buffer_bytes:
+                self._room.wait(0.2)
+                self._raise_if_failed()
             self._queue.append((subject, data, jetstream))
+            self._queued_bytes += len(data)
             wake = len(self._queue) == 1
         if wake:
             self._loop.call_soon_threadsafe(self._wake.set)
 
+    def _take(self) -> tuple[str, bytes, bool] | None:
+        with self._room:
+            if not self._queue:
+                return None
+            item = self._queue.popleft()
+            self._queued_bytes -= len(item[1])
+            self._room.notify()
+            return item
+
     def _raise_if_failed(self) -> None:
         if self._error:
             raise TransportError(self._error)
+
+    def _fail(self, reason: str) -> str:
+        from ..redact import redact_url
+
+        return f"{self.shown}: {redact_url(reason)}"
+
+    def _say(self, line: str) -> None:
+        if self.notify is not None:
+            self.notify(line)
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
@@ -416,43 +491,134 @@ class Publisher:
         try:
             loop.run_until_complete(self._main())
         except Exception as exc:
-            self._error = self._error or f"{self.server}: {type(exc).__name__}: {exc}"
+            self._error = self._error or self._fail(f"{type(exc).__name__}: {exc}")
         finally:
             self._ready.set()
             self._done.set()
+            with self._room:
+                self._room.notify_all()
             loop.close()
 
     async def _main(self) -> None:
         import nats
 
         self._wake = asyncio.Event()
+        self._connected = asyncio.Event()
+        errors = self._connect_errors
+        # asyncio logs "returning true from eof_received() has no effect when using ssl" when a
+        # TLS server is reached without TLS: the error line says it better, once
+        logging.getLogger("asyncio").setLevel(logging.ERROR)
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc) or type(exc).__name__)
+
+        async def on_disconnected() -> None:
+            if self._disconnecting:
+                return  # our own close
+            self._connected.clear()
+            if self._lost_at is None:
+                self._lost_at = time.monotonic()
+                self._say(f"kvctl: {self.shown}: NATS connection lost; reconnecting, sends wait "
+                          f"(up to {self.buffer_bytes // 2**20} MB queued)")
+
+        async def on_reconnected() -> None:
+            if self._lost_at is not None:
+                away = time.monotonic() - self._lost_at
+                self.outages += 1
+                self.outage_s += away
+                self._lost_at = None
+                self._say(f"kvctl: {self.shown}: reconnected to NATS after {away:.1f} s")
+            self._connected.set()
+
         try:
-            self._nc = await nats.connect(servers=[self.server], **self.options.connect_kwargs())
+            self._nc = await nats.connect(servers=[self.server], error_cb=on_error,
+                                          disconnected_cb=on_disconnected,
+                                          reconnected_cb=on_reconnected,
+                                          **self.options.connect_kwargs())
+            # the first connection tries as --connect-timeout says (a refused login is an
+            # error); once connected, an outage is waited out without limit
+            self._nc.options["max_reconnect_attempts"] = -1
         except Exception as exc:
-            self._error = f"{self.server}: cannot connect to NATS: {str(exc) or type(exc).__name__}"
+            # nats-py's own exception after a refused login is a bare "no servers available":
+            # the error callback heard the reason (authorization violation, TLS, ...)
+            reason = errors[0] if errors else (str(exc) or type(exc).__name__)
+            self._error = self._fail(f"cannot connect to NATS: {reason}")
             return
+        self._connected.set()
         js = self._nc.jetstream()
         self._ready.set()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            with self._lock:
-                batch, self._queue = self._queue, []
-            for subject, data, jetstream in batch:
+            while (item := self._take()) is not None:
+                await self._send(js, *item)
+            if self._closing and not self._queue:
+                break
+        if self._connected.is_set():
+            try:
+                await self._nc.flush(timeout=10)
+            except Exception as exc:
+                self.failure = f"final flush: {str(exc) or type(exc).__name__}"
+        self._disconnecting = True
+        await self._nc.close()
+
+    async def _send(self, js: Any, subject: str, data: bytes, jetstream: bool) -> None:
+        """Publish one message, waiting through outages; count how it ended."""
+        from nats.errors import MaxPayloadError
+
+        msg_id = f"{self._msg_prefix}{self._msg_number}"
+        self._msg_number += 1
+        attempts = 0
+        while True:
+            if not self._connected.is_set() and not await self._wait_connected():
+                self.dropped += 1
+                self.drop_reason = (f"the NATS server was unreachable when the run ended "
+                                    f"(waited {self.END_WAIT_S:g} s)")
+                return
+            try:
                 if jetstream:
-                    await js.publish(subject, data)
+                    await js.publish(subject, data, headers={"Nats-Msg-Id": msg_id})
+                    self.acked += 1
                 else:
                     await self._nc.publish(subject, data)
                 self.published += 1
-            if self._closing and not self._queue:
-                break
-        await self._nc.flush(timeout=10)
-        await self._nc.close()
+                return
+            except MaxPayloadError as exc:
+                self.failed += 1
+                self.failure = f"{str(exc) or type(exc).__name__} ({len(data):,} bytes)"
+                return
+            except Exception as exc:  # no ack, no responder yet, connection lost: retry
+                if self._connected.is_set():
+                    attempts += 1
+                    if attempts >= self.RETRIES:
+                        self.failed += 1
+                        kind = "JetStream publish" if jetstream else "publish"
+                        self.failure = (f"{kind}: {str(exc) or type(exc).__name__} "
+                                        f"({attempts} attempts)")
+                        return
+                    await asyncio.sleep(min(0.05 * 2 ** attempts, 1.0))
+
+    async def _wait_connected(self) -> bool:
+        """Wait for the connection to come back: without limit while running, up to
+        ``END_WAIT_S`` once closing. False when that time ran out."""
+        while not self._connected.is_set():
+            if self._closing:
+                if self._end_deadline is None:
+                    self._end_deadline = time.monotonic() + self.END_WAIT_S
+                remaining = self._end_deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+            else:
+                remaining = 0.5  # look again: close may begin meanwhile
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._connected.wait(), min(remaining, 0.5))
+        return True
 
     def close(self) -> None:
-        """Publish everything queued, flush, disconnect."""
+        """Publish everything queued (waiting up to ``END_WAIT_S`` for an absent server),
+        flush, disconnect."""
         if self._loop is not None and not self._done.is_set():
             self._closing = True
             self._loop.call_soon_threadsafe(self._wake.set)
-            self._done.wait(30)
+            self._done.wait(self.END_WAIT_S + 60)
         self._raise_if_failed()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import zmq
 import zmq.utils.monitor
@@ -129,26 +129,67 @@ def bind(sock: zmq.Socket, endpoint: str) -> str:
 
 class Publisher:
     """A PUB socket that binds like an engine; ``wait_subscribers`` holds the first send until
-    consumers have joined (ZMQ drops what a PUB sends before a subscriber is connected)."""
+    consumers have joined (ZMQ drops what a PUB sends before a subscriber is connected).
 
-    def __init__(self, endpoint: str, hwm: int = 100_000) -> None:
-        self.socket = context().socket(zmq.XPUB)
+    It is an XPUB, so it sees every subscription and unsubscription (a subscriber's
+    disconnect included): ``subscribers`` now, ``subscribers_at_start`` (at the first send),
+    ``peak_subscribers``. With ``XPUB_NODROP`` a send to a subscriber whose queue is full (the
+    high-water mark) does not drop the message for it, as a plain PUB silently would: the send
+    waits until there is room (back-pressure), counted in ``stalls`` and ``stalled_s``.
+    ``close`` waits up to ``flush_timeout`` seconds for subscribers to take what is still queued;
+    ``flushed`` says whether they did."""
+
+    DRAIN_INTERVAL_S = 0.1
+    """How often sends look for (un)subscriptions: often enough for the report, rarely enough
+    to cost nothing at top speed."""
+
+    def __init__(self, endpoint: str, hwm: int = 100_000, flush_timeout: float = 1.0) -> None:
+        # its own context: closing it waits for the queued messages (up to the flush timeout)
+        # without waiting on any other socket of the process; inproc:// peers must share
+        # the process's context, so there the flush is not awaited
+        self._own_context = not endpoint.startswith("inproc://")
+        self._context = zmq.Context(io_threads=1) if self._own_context else context()
+        self.socket = self._context.socket(zmq.XPUB)
         # report every subscription, not only the first per topic: several taps all
         # subscribe to "" and each must count
         self.socket.setsockopt(zmq.XPUB_VERBOSER, 1)
+        self.socket.setsockopt(zmq.XPUB_NODROP, 1)
         self.socket.setsockopt(zmq.SNDHWM, hwm)
-        self.socket.setsockopt(zmq.LINGER, 1000)
-        self.endpoint = bind(self.socket, endpoint)
+        self.flush_timeout = flush_timeout
+        try:
+            self.endpoint = bind(self.socket, endpoint)
+        except TransportError:
+            self.socket.close(0)
+            if self._own_context:
+                self._context.term()
+            raise
         self.subscribers = 0
+        self.peak_subscribers = 0
+        self.subscribers_at_start: int | None = None
+        self.stalls = 0
+        self.stalled_s = 0.0
+        self.flushed: bool | None = None
+        self.on_long_stall: Callable[[float], None] | None = None
+        """Called once when one send has waited over ``LONG_STALL_S`` (a stopped subscriber
+        holds the sender until it reads or disconnects)."""
+        self._warned_stall = False
+        self._next_drain = 0.0
 
-    def _drain_subscriptions(self, timeout_ms: int) -> None:
+    LONG_STALL_S = 2.0
+
+    def _drain_subscriptions(self, timeout_ms: int) -> int:
+        """Count the (un)subscriptions that arrived; returns how many."""
+        seen = 0
         while self.socket.poll(timeout_ms, zmq.POLLIN):
+            seen += 1
             msg = self.socket.recv()
             if msg[:1] == b"\x01":
                 self.subscribers += 1
+                self.peak_subscribers = max(self.peak_subscribers, self.subscribers)
             elif msg[:1] == b"\x00":
-                self.subscribers -= 1
+                self.subscribers = max(0, self.subscribers - 1)
             timeout_ms = 0
+        return seen
 
     def wait_subscribers(self, count: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -160,10 +201,56 @@ class Publisher:
         return True
 
     def send(self, frames: list[bytes]) -> None:
-        self.socket.send_multipart(frames, copy=False)
+        now = time.monotonic()
+        if now >= self._next_drain:
+            self._next_drain = now + self.DRAIN_INTERVAL_S
+            self._drain_subscriptions(0)
+        if self.subscribers_at_start is None:
+            # a zero-timeout poll may leave the latest subscriptions unprocessed: wait 1 ms
+            while self._drain_subscriptions(1):
+                pass
+            self.subscribers_at_start = self.subscribers
+        try:
+            self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # a subscriber's queue is full: wait for room, drop nothing
+            self._wait_and_send(frames, now)
+
+    def _wait_and_send(self, frames: list[bytes], started: float) -> None:
+        self.stalls += 1
+        pause = 0.0001
+        try:
+            while True:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)
+                self._drain_subscriptions(0)  # a subscriber that leaves frees the send
+                try:
+                    self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    waited = time.monotonic() - started
+                    if (waited > self.LONG_STALL_S and not self._warned_stall
+                            and self.on_long_stall is not None):
+                        self._warned_stall = True
+                        self.on_long_stall(waited)
+        finally:
+            self.stalled_s += time.monotonic() - started
 
     def close(self) -> None:
-        self.socket.close()
+        """Count the subscribers still there, then close, waiting up to ``flush_timeout`` for
+        them to take what is queued (``flushed`` is False when that time ran out)."""
+        if self.socket.closed:
+            return
+        # a departed subscriber's unsubscription is processed only while the socket waits
+        # (a zero-timeout poll may not see it): short waits until nothing more comes
+        for _ in range(1000):
+            if not self._drain_subscriptions(10):
+                break
+        self.socket.close(linger=int(self.flush_timeout * 1000))
+        if not self._own_context:
+            return
+        started = time.monotonic()
+        self._context.term()
+        self.flushed = time.monotonic() - started < self.flush_timeout * 0.95
 
 
 class ReplayServer:
