@@ -15,6 +15,7 @@ import click
 from . import __version__, commands
 from .errors import ExitCode, KvctlError
 from .help import envvar_of
+from .redact import redact_url
 
 
 class LazyGroup(click.Group):
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as exc:
         code = exc.exit_code
     except click.ClickException as exc:
+        exc.message = redact_url(exc.message)
         variable = _environment_variable(exc)
         if variable:  # the user typed no option: name the variable they set, on one line
             print(f"kvctl: {variable}: {exc.message.rstrip('.')}", file=sys.stderr)
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         code = ExitCode.INTERRUPTED
     except KvctlError as exc:
         if str(exc):  # an empty message: already reported (e.g. a quiet interrupt)
-            print(f"kvctl: {exc}", file=sys.stderr)
+            # the one place every error passes: no password of a source URL reaches stderr
+            print(f"kvctl: {redact_url(str(exc))}", file=sys.stderr)
         code = exc.exit_code
     sys.exit(int(code or 0))

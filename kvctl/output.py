@@ -11,6 +11,7 @@ from typing import IO, Any
 import msgspec
 
 from .events import CORE_EVENT_FIELDS, Batch, Event, present_hash
+from .redact import redact_url
 from .text import plural
 
 _encoder = msgspec.json.Encoder()  # several times faster than json/orjson on these rows
@@ -231,8 +232,8 @@ class StderrDiagnostics:
         """One line, shown literally (a rich Text, never parsed as markup)."""
         from rich.text import Text
 
-        if not self.quiet:
-            self.console.print(Text(text, style=style))
+        if not self.quiet:  # sources may be URLs with a password: never shown
+            self.console.print(Text(redact_url(text), style=style))
 
     def malformed(self, batch: Batch) -> None:
         raw = b"|".join(batch.frames)

@@ -69,3 +69,8 @@ def redact_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     if isinstance(out.get("command"), list):
         out["command"] = redact_argv(out["command"])
     return out
+
+
+def shown_sources(sources: Iterable[str]) -> str:
+    """Source arguments as a command shows them on stderr: comma-separated, redacted."""
+    return ", ".join(redact_url(source) for source in sources)

@@ -108,3 +108,15 @@ def test_redaction_functions():
                         "--nats-creds", "/c.creds", "--tls-key", "k.pem", "-o", "x"]) == [
         "record", "nats://u:***@h", "--nats-password", "***", "--nats-token=***",
         "--nats-creds", "***", "--tls-key", "***", "-o", "x"]
+
+
+@pytest.mark.parametrize("command", ["tap", "check", "bridge"])
+def test_a_wrong_password_in_a_source_url_is_not_shown(auth_server, command):
+    wrong = "wr0ngpass"
+    url = f"nats://u:{wrong}@127.0.0.1:{auth_server.port}"
+    extra = ["--to", "tcp://127.0.0.1:0"] if command == "bridge" else []
+    result = run_kvctl(command, url, *extra, "--duration", "5", timeout=30)
+    err = result.stderr.decode()
+    assert result.returncode == 1, err
+    assert wrong not in err + result.stdout.decode() and "Traceback" not in err
+    assert "u:***@" in err  # still says which server refused

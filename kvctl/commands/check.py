@@ -15,6 +15,7 @@ from ..events import Batch
 from ..help import KvctlCommand
 from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
+from ..redact import shown_sources
 from ..session import Interrupted, live_addresses, read
 from ..text import console, plural
 
@@ -155,11 +156,13 @@ def command(**params: Any) -> None:
         return True
 
     def on_open(source: Any) -> None:
+        from rich.markup import escape
+
         nonlocal started
-        started = time.monotonic()  # --idle-timeout counts from connected, like the pipeline's
+        started = time.monotonic()  # --idle-timeout counts from the start, like the pipeline's
         addresses.extend(live_addresses(source, params["sources"]))
         if not quiet:
-            err.print(f"[dim]kvctl: checking {', '.join(params['sources'])}[/]")
+            err.print(f"[dim]kvctl: checking {escape(shown_sources(params['sources']))}[/]")
 
     interrupted = False
     try:

@@ -67,7 +67,7 @@ def command(**params: Any) -> None:
     from ..errors import TransportError, UsageError
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import LiveSource, Summary, run
-    from ..redact import redact_argv, redact_url
+    from ..redact import redact_argv, redact_url, shown_sources
     from ..session import Interrupted, make_filters, make_limits, open_source
     from ..transports.files import (
         OutputExists,
@@ -112,8 +112,7 @@ def command(**params: Any) -> None:
     interrupted = False
     write_error: OSError | None = None
     try:  # from here on, whatever happens, the writer is closed and the recording readable
-        shown = ", ".join(map(redact_url, params["sources"]))
-        diagnostics.say(f"kvctl: recording {shown} -> "
+        diagnostics.say(f"kvctl: recording {shown_sources(params['sources'])} -> "
                         f"{params['output']}", "dim")
         # Live batches are journalled raw (frames + labels) and decoded again by the
         # converter; batches read back from recordings are journalled exactly.

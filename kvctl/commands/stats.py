@@ -10,6 +10,7 @@ from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from ..help import KvctlCommand
 from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
+from ..redact import shown_sources
 from ..session import Interrupted, read
 from ..text import plural
 
@@ -188,8 +189,10 @@ def command(**params: Any) -> None:
     collector = StatsCollector(bucket_s=params["interval"])
 
     def on_open(source: Any) -> None:
+        from rich.markup import escape
+
         if not quiet:
-            err.print(f"[dim]kvctl: reading {', '.join(params['sources'])}[/]")
+            err.print(f"[dim]kvctl: reading {escape(shown_sources(params['sources']))}[/]")
 
     interrupted = False
     try:

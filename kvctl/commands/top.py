@@ -13,6 +13,7 @@ from ..events import BLOCK_REMOVED, BLOCK_STORED, Batch
 from ..help import KvctlCommand
 from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
+from ..redact import shown_sources
 from ..session import Interrupted, read
 from ..state import SeqTracker, StreamState, WorkerKey, recv_time, worker_label
 from ..text import plural
@@ -323,8 +324,10 @@ def command(**params: Any) -> None:
         return tick
 
     def on_open(source: Any) -> None:
+        from rich.markup import escape
+
         if not quiet and not interactive:
-            err.print(f"[dim]kvctl: reading {', '.join(params['sources'])}[/]")
+            err.print(f"[dim]kvctl: reading {escape(shown_sources(params['sources']))}[/]")
 
     interrupted = False
     summary = live_summary
