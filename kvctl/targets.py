@@ -310,7 +310,7 @@ class RecordingTarget:
 
     def __init__(self, path: str, encoding: str | None = None,
                  array_layout: str = engine_zmq.DEFAULT_ARRAY_LAYOUT,
-                 metadata: dict[str, Any] | None = None) -> None:
+                 metadata: dict[str, Any] | None = None, overwrite: bool = False) -> None:
         from .transports.files import RecordingWriter
 
         encoding = encoding or "vllm"
@@ -319,7 +319,7 @@ class RecordingTarget:
                              f"{', '.join(engine_zmq.ENGINE_ENCODINGS)}")
         self.encoding = encoding
         self.array_layout = array_layout
-        self.writer = RecordingWriter(path, metadata=metadata)
+        self.writer = RecordingWriter(path, metadata=metadata, overwrite=overwrite)
         self.seqs: dict[int, int] = {}
         self.bytes_sent = 0
 

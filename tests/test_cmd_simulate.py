@@ -215,3 +215,15 @@ def test_trace_out_of_time_order_is_refused(tmp_path):
     result = run_main("simulate", "--trace", str(trace), "--workers", "1", "--base-port",
                       str(free_port_range(1)))
     assert result.code == 2 and f"{trace}:2: timestamp 0 is earlier" in result.err
+
+
+def test_output_never_replaces_a_file_unasked(tmp_path):
+    output = tmp_path / "data.parquet"
+    output.write_bytes(b"the user's own file")
+    result = run_main("simulate", "-o", str(output), "--requests", "5", "-q")
+    assert result.code == 2 and "--overwrite" in result.err and "Traceback" not in result.err
+    assert output.read_bytes() == b"the user's own file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.parquet"]  # no journal, temp
+    replaced = run_main("simulate", "-o", str(output), "--requests", "5", "-q", "--overwrite")
+    assert replaced.code == 0, replaced.err
+    assert output.read_bytes()[:4] == b"PAR1"

@@ -55,6 +55,9 @@ from ..text import plural
               help="Publish to NATS as Dynamo does (nats://HOST:PORT) instead of ZMQ sockets.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="Write a recording instead of publishing (no sockets, as fast as possible).")
+@click.option("--overwrite", is_flag=True,
+              help="With -o: replace an existing recording file (atomically, when the new one "
+                   "is complete). Without it an existing file is refused.")
 @click.option("--namespace", default="dynamo", show_default=True, help="Dynamo namespace (NATS).")
 @click.option("--component", default="backend", show_default=True,
               help="Dynamo component (NATS).")
@@ -92,7 +95,13 @@ def command(**params: Any) -> None:
     from ..redact import redact_argv, redact_url
     from ..session import Interrupted
     from ..targets import RecordingTarget, open_target
+    from ..transports.files import output_conflict
 
+    if params["output"]:  # before any work: nothing of the user's is replaced unasked
+        conflict = output_conflict(params["output"], segmented=False,
+                                   overwrite=params["overwrite"])
+        if conflict is not None:
+            raise UsageError(conflict)
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
     try:  # the whole trace is checked here, before any socket or file is opened
         fleet = Fleet(workers=params["workers"], num_blocks=params["num_blocks"],
@@ -111,7 +120,8 @@ def command(**params: Any) -> None:
     if params["output"]:
         target: Any = RecordingTarget(params["output"], params["encoding"],
                                       metadata={"command": redact_argv(sys.argv[1:]),
-                                                "simulated": True})
+                                                "simulated": True},
+                                      overwrite=params["overwrite"])
         params["topspeed"] = True  # a dataset, not a live stream: no pacing
     else:
         target = open_target(to, params["encoding"], per_worker=True,
