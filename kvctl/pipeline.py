@@ -137,7 +137,9 @@ class SeqTracker:
 
     A seq beyond the next expected one opens a gap; a seq inside an open gap arrives late (a
     reorder: the gap shrinks); any other old seq is a duplicate, except 0, a publisher
-    restart. Malformed messages are not tracked (their seq frame is not trusted)."""
+    restart. A malformed message whose seq frame parsed counts only where its seq is the one
+    expected or fills a gap (so it is not also a gap); a seq frame of a message that is
+    otherwise garbage never opens a gap or a restart."""
 
     MAX_OPEN_GAPS = 64  # per publisher, to bound memory
 
@@ -149,11 +151,14 @@ class SeqTracker:
 
     def check(self, batch: Batch) -> tuple[int, int] | None:
         """Account for ``batch``; returns the missing range ``(first, end)`` on a forward gap."""
-        if batch.seq is None or batch.error is not None:
+        seq = batch.seq
+        if type(seq) is not int:
             return None
         key = batch.publisher
+        if batch.error is not None:
+            self._malformed(key, seq)
+            return None
         expected = self.next_seq.get(key)
-        seq = batch.seq
         if expected is None or seq == expected:
             self.next_seq[key] = seq + 1
             return None
@@ -181,6 +186,16 @@ class SeqTracker:
         if self.diagnostics:
             self.diagnostics.sequence(key, kind, expected, seq)
         return None
+
+    def _malformed(self, key: Any, seq: int) -> None:
+        try:
+            expected = self.next_seq.get(key)
+        except TypeError:  # an unhashable publisher (a hostile Dynamo envelope)
+            return
+        if expected is not None and seq == expected:
+            self.next_seq[key] = seq + 1
+        elif expected is not None and seq < expected and self.fill(key, seq):
+            self.summary.missing -= 1  # arrived, if unreadable: counted as malformed
 
     def fill(self, key: Any, seq: int) -> bool:
         """Take ``seq`` out of the open gaps of ``key``; False if it was not missing."""

@@ -291,3 +291,27 @@ def test_a_closed_pipe_ends_quietly_with_exit_0(tmp_path, mode):
     rc = proc.wait(30)
     err = proc.stderr.read()
     assert rc == 0 and b"Traceback" not in err, err
+
+
+def test_a_malformed_message_is_not_also_a_gap(engine, tmp_path):
+    """[seq 0 ok, seq 1 malformed, seq 2 ok]: 0 gaps and 1 malformed, live and read back."""
+    recording = tmp_path / "run.parquet"
+    record = start_kvctl("record", engine.endpoint, "-o", str(recording), "--idle-timeout", "1")
+    tap = start_kvctl("tap", engine.endpoint, "--json", "--idle-timeout", "1")
+    engine.wait_for(subscribers=2)
+    engine.send([removed([0])], seq=0)
+    engine.send_raw([b"", (1).to_bytes(8, "big"), b"\xc1"])
+    engine.send([removed([2])], seq=2)
+    for proc in (tap, record):
+        rc, out, err = finish(proc)
+        assert rc == 0, err
+        assert "gaps 0 (0 batches missing" in err and "malformed 1" in err, err
+    cat = run_kvctl("cat", str(recording), "--json")
+    summary = cat.stderr.decode()
+    assert cat.returncode == 0, summary
+    assert "gaps 0 (0 batches missing" in summary and "malformed 1" in summary, summary
+    check = run_kvctl("check", str(recording), "--json")
+    report = json.loads(check.stdout)
+    counts = {rule["id"]: rule["count"] for rule in report["rules"]}
+    assert counts.get("KV001") == 1 and "KV301" not in counts, report
+    assert report["stream"]["gaps"] == 0 and report["stream"]["malformed"] == 1
