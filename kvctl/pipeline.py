@@ -86,6 +86,10 @@ class Summary:
     duplicates: int = 0
     reorders: int = 0
     restarts: int = 0
+    dropped: int = 0
+    """Received but dropped here, a receive queue being full (--max-queue)."""
+    unprocessed: int = 0
+    """Received but still queued when the run was interrupted."""
     publishers: set = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
     stopped_by: str = "end of input"
@@ -107,6 +111,8 @@ class Summary:
             "duplicates": self.duplicates,
             "reorders": self.reorders,
             "restarts": self.restarts,
+            "dropped_batches": self.dropped,
+            "unprocessed_batches": self.unprocessed,
             "elapsed_s": round(time.monotonic() - self.started, 3),
             "stopped_by": self.stopped_by,
         }
@@ -121,7 +127,13 @@ class Summary:
                 f"({plural(self.missing, 'batch')} missing, {self.recovered} recovered), "
                 f"duplicates {self.duplicates}, reorders {self.reorders}, "
                 f"malformed {self.malformed}")
-        return text + f"; stopped by {self.stopped_by}"
+        if self.dropped:
+            text += f", dropped {self.dropped:,} (receive queue full, see --max-queue)"
+        text += f"; stopped by {self.stopped_by}"
+        if self.unprocessed:
+            text += (f", {plural(self.unprocessed, 'received batch', thousands=True)} not "
+                     "processed (queued at exit)")
+        return text
 
 
 class Diagnostics(Protocol):
@@ -240,7 +252,10 @@ class LiveSource:
         connect_timeout: float | None = None,
         topic: bytes = b"",
         notify: Notify | None = None,
+        max_queue: int | None = None,
     ) -> None:
+        """``max_queue``: bytes received but not yet processed that may be held in memory,
+        shared evenly by the live sources (``--max-queue``)."""
         import zmq
 
         from .transports import zmq as zmq_transport
@@ -264,12 +279,15 @@ class LiveSource:
         self._closed = False
         self._failed = False
         zmq_specs = [s for s in specs if s.kind == "zmq"]
+        live = sum(1 for s in specs if s.kind in ("zmq", "nats"))
+        self.queue_bytes = (max_queue or zmq_transport.DEFAULT_QUEUE_BYTES) // max(live, 1)
+        self.drops_said = False
         if replay_endpoints and len(replay_endpoints) > len(zmq_specs):
             raise UsageError(f"{len(replay_endpoints)} --replay-endpoint for "
                              f"{len(zmq_specs)} ZMQ sources; give at most one per ZMQ source")
         try:
             for i, spec in enumerate(zmq_specs):
-                sub = zmq_transport.Subscriber(spec.address, topic)
+                sub = zmq_transport.Subscriber(spec.address, topic, self.queue_bytes)
                 self.subscribers.append(sub)
                 self.by_socket[sub.socket] = ("zmq", spec)
                 self.zmq_by_socket[sub.socket] = sub
@@ -297,7 +315,7 @@ class LiveSource:
         from .transports import nats as nats_transport
 
         sub = nats_transport.Subscriber(spec.address, spec.subjects + list(subjects or []),
-                                        options, from_start)
+                                        options, from_start, self.queue_bytes)
         self.nats.append(sub)
         self.waiting[sub] = sub.server
         self.by_socket[sub.socket] = ("nats", spec)
@@ -393,6 +411,7 @@ class LiveSource:
                 if kind == "zmq":
                     address, worker, dp = spec.address, spec.worker_id, spec.dp_rank
                     recv = sock.recv_multipart
+                    messages = size = 0
                     for _ in range(DRAIN_LIMIT):
                         try:
                             frames = recv(NOBLOCK)
@@ -401,18 +420,28 @@ class LiveSource:
                         if not produced and self.waiting:  # data before the monitor's word
                             self._zmq_event(self.zmq_by_socket[sock], data=True)
                         produced = True
+                        messages += 1
+                        size += sum(map(len, frames))
                         yield decode_zmq(frames, address, time_ns(), worker, dp)
+                    if messages:
+                        self.zmq_by_socket[sock].received(messages, size)
                     continue
                 if kind == "monitor":
                     self._zmq_event(spec)
                     continue
+                nats_sub = self.nats_by_socket[sock]
                 for frames in receive_all(sock, DRAIN_LIMIT):
                     if frames[0] == CONTROL:
-                        self._nats_control(self.nats_by_socket[sock], frames[1],
-                                           frames[2].decode())
+                        self._nats_control(nats_sub, frames[1], frames[2].decode())
                         continue
+                    nats_sub.taken(frames)
                     produced = True
                     yield decode_nats(frames[0].decode(), frames[1], spec.address, time_ns())
+                if nats_sub.dropped and not self.drops_said:
+                    self.drops_said = True
+                    self._say(f"kvctl: {nats_sub.server}: receive queue full (--max-queue "
+                              f"{self.queue_bytes / 1e6:g} MB per source): dropping "
+                              "messages, counted in the summary", "yellow")
             if not produced:
                 yield None  # idle, or only connection events: the caller checks its timers
 
@@ -435,6 +464,15 @@ class LiveSource:
                 rb.recovered = True
                 out.append(rb)
         return out
+
+    def dropped(self) -> int:
+        """Messages dropped by this process because a receive queue was full."""
+        return sum(sub.dropped for sub in self.nats)
+
+    def unprocessed(self) -> int:
+        """Messages received but not processed yet (at exit: discards them while counting)."""
+        return sum(sub.drain() for sub in self.subscribers) + \
+            sum(sub.queued_messages() for sub in self.nats)
 
     def close(self) -> None:
         if self._closed:
@@ -470,6 +508,29 @@ def run(
     recorders and checkers use it so that nothing is lost to a filter or a count.
     """
     summary = summary or Summary()
+    try:
+        return _run(source, sink, limits, filters, diagnostics, strict, summary, on_batch)
+    except KeyboardInterrupt:
+        unprocessed = getattr(source, "unprocessed", None)
+        if unprocessed is not None:
+            summary.unprocessed = unprocessed()
+        raise
+    finally:
+        dropped = getattr(source, "dropped", None)
+        if dropped is not None:
+            summary.dropped = dropped()
+
+
+def _run(
+    source: Any,
+    sink: Sink,
+    limits: Limits,
+    filters: Filters | None,
+    diagnostics: Diagnostics | None,
+    strict: bool,
+    summary: Summary,
+    on_batch: Callable[[Batch], None] | None,
+) -> Summary:
     filter_events = filters.apply if filters and (filters.types or filters.workers) else None
     counts = summary.events
     tracker = SeqTracker(summary, diagnostics)

@@ -19,7 +19,8 @@ import zmq.utils.monitor
 from ..errors import TransportError, UsageError
 
 END_SEQ = b"\xff" * 8
-RECEIVE_HWM = 1_000_000  # a consumer must not be the one that drops: buffer generously
+DEFAULT_QUEUE_BYTES = 64_000_000
+"""What a receiving socket may hold in memory (``--max-queue``)."""
 
 
 def context() -> zmq.Context:
@@ -36,11 +37,25 @@ class Subscriber:
     watched on :attr:`monitor` (the caller polls it and calls :meth:`poll_connection`), so that
     a missing engine can be reported; then the monitor is stopped."""
 
-    def __init__(self, endpoint: str, topic: bytes = b"") -> None:
+    # ZMQ bounds a queue in messages, not bytes: the high-water mark is the byte budget over
+    # a running estimate of the message size. When the queue is full libzmq stops reading
+    # the connection, the engine's PUB queue fills and the PUB drops: a visible seq gap.
+    ASSUMED_MESSAGE_BYTES = 64 * 1024  # until messages are seen: large, to start bounded
+    MIN_HWM, MAX_HWM = 4, 1_000_000
+    ADAPT_EVERY = 1024  # messages between two estimates
+    MESSAGE_OVERHEAD = 128  # bytes libzmq and malloc add to each queued message
+
+    def __init__(self, endpoint: str, topic: bytes = b"",
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
         check_endpoint(endpoint)
         self.endpoint = endpoint
+        self.queue_bytes = queue_bytes
         self.socket = context().socket(zmq.SUB)
-        self.socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        self.hwm = self._hwm_for(self.ASSUMED_MESSAGE_BYTES)
+        self.socket.setsockopt(zmq.RCVHWM, self.hwm)
+        self._seen_messages = 0
+        self._seen_bytes = 0
+        self._adapt_at = 1  # the first message already tells its size
         self.socket.setsockopt(zmq.LINGER, 0)
         self.monitor = self.socket.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
@@ -53,6 +68,35 @@ class Subscriber:
             self.close()
             raise UsageError(f"{endpoint}: {exc}") from None
         self.socket.setsockopt(zmq.SUBSCRIBE, topic)
+
+    def _hwm_for(self, message_bytes: float) -> int:
+        hwm = int(self.queue_bytes // (message_bytes + self.MESSAGE_OVERHEAD))
+        return min(max(hwm, self.MIN_HWM), self.MAX_HWM)
+
+    def received(self, messages: int, size: int) -> None:
+        """Account ``messages`` of ``size`` bytes in all; now and then, fit the high-water mark
+        to the average size (libzmq applies it to the connected pipe at once)."""
+        self._seen_messages += messages
+        self._seen_bytes += size
+        if self._seen_messages < self._adapt_at:
+            return
+        hwm = self._hwm_for(self._seen_bytes / self._seen_messages)
+        self._seen_messages = self._seen_bytes = 0
+        self._adapt_at = self.ADAPT_EVERY
+        if hwm != self.hwm and not (0.8 < hwm / self.hwm < 1.25):  # no churn on jitter
+            self.hwm = hwm
+            with contextlib.suppress(zmq.ZMQError):
+                self.socket.setsockopt(zmq.RCVHWM, hwm)
+
+    def drain(self) -> int:
+        """Discard what is queued (at exit), bounded by the high-water mark; returns how many
+        messages that was."""
+        count = 0
+        with contextlib.suppress(zmq.ZMQError):
+            while count < 2 * self.hwm and self.socket.poll(0):
+                self.socket.recv_multipart(zmq.NOBLOCK)
+                count += 1
+        return count
 
     def poll_connection(self) -> None:
         """Update ``connected``/``refused`` from the monitor socket (non-blocking)."""

@@ -1,0 +1,73 @@
+"""Overload: receive queues are bounded in bytes, and what they cannot hold is counted as lost,
+never silently. Real parts: a full-speed engine in its own process, kvctl as a user runs it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, free_port, kvctl_cmd, read_line
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(),
+                                reason="peak memory is read from /proc (Linux)")
+
+RSS_LIMIT_KB = 300_000
+FLOOD_S = 3.0
+
+
+def peak_rss_kb(pid: int) -> int:
+    """VmHWM: the process's peak resident set so far (0 once it has exited)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+    return int(match.group(1)) if match else 0
+
+
+def count(pattern: str, text: str) -> int:
+    match = re.search(pattern, text)
+    assert match, text
+    return int(match.group(1).replace(",", ""))
+
+
+def flood(*kvctl_args: str, timeout: float = 90) -> tuple[int, int, str]:
+    """64 KB batches at full speed into ``kvctl ARGS ENDPOINT --idle-timeout 2`` (stdout
+    discarded); returns (peak RSS in kB, batches sent, kvctl's stderr)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    engine = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "flood_publisher.py"), endpoint, str(FLOOD_S),
+         "64"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO)
+    try:
+        assert read_line(engine.stdout).strip() == "ready"
+        proc = subprocess.Popen(kvctl_cmd(*kvctl_args, endpoint, "--idle-timeout", "2"),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+        peak = 0
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            peak = max(peak, peak_rss_kb(proc.pid))
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate()
+        sent_line = read_line(engine.stdout)
+    finally:
+        engine.stdin.close()  # the engine exits
+        engine.wait(10)
+    assert proc.returncode == 0, err.decode()
+    return peak, count(r"sent (\d+)", sent_line), err.decode()
+
+
+@pytest.mark.parametrize("command", [["tap", "--json"], ["record", "-o", "{tmp}/run.parquet"]])
+def test_a_flood_of_64kb_batches_stays_bounded_and_accounted(tmp_path, command):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    peak_kb, sent, err = flood(*args)
+    summary = err.strip().splitlines()[-1]
+    received = count(r" in ([\d,]+) batch", summary)
+    missing = count(r"\(([\d,]+) batch(?:es)? missing", summary)
+    assert received + missing == sent, summary  # every batch is received or counted lost
+    assert peak_kb < RSS_LIMIT_KB, f"peak RSS {peak_kb / 1000:.0f} MB; {summary}"
