@@ -10,7 +10,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, kvctl_cmd, read_line
+from conftest import (
+    REPO,
+    NatsServer,
+    finish,
+    free_port,
+    interrupt,
+    kvctl_cmd,
+    read_line,
+    start_kvctl,
+)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(),
                                 reason="peak memory is read from /proc (Linux)")
@@ -70,4 +79,50 @@ def test_a_flood_of_64kb_batches_stays_bounded_and_accounted(tmp_path, command):
     received = count(r" in ([\d,]+) batch", summary)
     missing = count(r"\(([\d,]+) batch(?:es)? missing", summary)
     assert received + missing == sent, summary  # every batch is received or counted lost
+    assert peak_kb < RSS_LIMIT_KB, f"peak RSS {peak_kb / 1000:.0f} MB; {summary}"
+
+
+def wait_until_quiet(port: int, timeout: float = 20) -> None:
+    """Until the connections on ``port`` carry nothing (the client has read everything)."""
+    from flood_publisher import tcp_queued
+
+    quiet = 0
+    deadline = time.monotonic() + timeout
+    while quiet < 5:
+        assert time.monotonic() < deadline, "the connection never emptied"
+        quiet = quiet + 1 if tcp_queued(port) == 0 else 0
+        time.sleep(0.05)  # the kernel's queues have no push signal
+
+
+def test_a_stalled_nats_tap_stays_bounded_and_says_what_it_dropped(tmp_path):
+    """tap's stdout is a pipe nobody reads: the hand-off from the NATS thread fills up to
+    --max-queue, the rest is dropped and counted; Ctrl-C says what was still queued."""
+    from flood_publisher import events_of_about
+    from test_tap_nats import delivered, publish, wait_ready
+
+    from kvctl.formats.engine_zmq import encode_payload
+
+    sent = 1500
+    payload = encode_payload(events_of_about(64), 1_700_000_000.0, 0, "vllm")
+    monitor = free_port()
+    server = NatsServer(tmp_path / "store", "-m", str(monitor))
+    try:
+        proc = start_kvctl("tap", server.url, "--json", "--max-queue", "16M")
+        wait_ready(proc)
+        publish(server.url, [("namespace.ns.component.c.kv-events", payload)] * sent)
+        delivered(monitor, sent)
+        wait_until_quiet(server.port)
+        peak_kb = peak_rss_kb(proc.pid)
+        interrupt(proc)
+        rc, _, err = finish(proc)
+    finally:
+        server.stop()
+    summary = err.strip().splitlines()[-1]
+    assert rc == 130, err
+    received = count(r" in ([\d,]+) batch", summary)
+    dropped = count(r"dropped ([\d,]+) \(receive queue full", summary)
+    queued = count(r"([\d,]+) received batch(?:es)? not processed \(queued at exit\)", summary)
+    assert received + dropped + queued == sent, summary
+    assert queued * len(payload) <= 16_000_000, summary  # the bound held
+    assert err.count("receive queue full (--max-queue") <= 1, err  # a warning, not a flood
     assert peak_kb < RSS_LIMIT_KB, f"peak RSS {peak_kb / 1000:.0f} MB; {summary}"
