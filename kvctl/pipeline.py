@@ -268,6 +268,8 @@ class LiveSource:
         self.nats_by_socket: dict[Any, Any] = {}
         self.zmq_by_socket: dict[Any, Any] = {}
         self.replay_for: dict[str, str] = {}
+        self.replay_silent_until: dict[str, float] = {}  # endpoint -> monotonic time
+        self.replay_warned: set[str] = set()
         self.connect_timeout = connect_timeout or None  # 0 is "wait forever", as before
         self.notify = notify
         self.opened = time.monotonic()
@@ -445,14 +447,32 @@ class LiveSource:
             if not produced:
                 yield None  # idle, or only connection events: the caller checks its timers
 
+    REPLAY_FIRST_REPLY_S = 0.5
+    """How long the receive loop waits for a replay socket's first reply (an engine answers
+    within milliseconds); meanwhile messages queue up, within --max-queue."""
+    REPLAY_BACKOFF_S = 30.0
+    """A replay socket that did not answer is not asked again for this long."""
+
     def recover(self, batch: Batch, first: int, end: int) -> list[Batch]:
         """Fetch batches ``first..end-1`` from the source's replay socket, if it has one."""
         endpoint = self.replay_for.get(batch.source)
         if endpoint is None:
             return []
+        now = time.monotonic()
+        if now < self.replay_silent_until.get(endpoint, 0.0):
+            return []
         from .transports.zmq import fetch_replay
 
-        replies, _complete = fetch_replay(endpoint, first)
+        replies, complete = fetch_replay(endpoint, first, timeout=1.0, stop_seq=end - 1,
+                                         first_reply_timeout=self.REPLAY_FIRST_REPLY_S)
+        if not replies and not complete:  # no answer at all
+            self.replay_silent_until[endpoint] = now + self.REPLAY_BACKOFF_S
+            if endpoint not in self.replay_warned:
+                self.replay_warned.add(endpoint)
+                self._say(f"kvctl: replay endpoint {endpoint} does not answer; gaps are not "
+                          f"recovered from it (asked again every {self.REPLAY_BACKOFF_S:.0f} "
+                          "s, without a further word)", "yellow")
+            return []
         out = []
         spec = next(s for k, s in self.by_socket.values()
                     if k == "zmq" and s.address == batch.source)

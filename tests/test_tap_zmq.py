@@ -315,3 +315,25 @@ def test_a_malformed_message_is_not_also_a_gap(engine, tmp_path):
     counts = {rule["id"]: rule["count"] for rule in report["rules"]}
     assert counts.get("KV001") == 1 and "KV301" not in counts, report
     assert report["stream"]["gaps"] == 0 and report["stream"]["malformed"] == 1
+
+
+def test_a_silent_replay_endpoint_is_warned_about_once_and_never_stalls_the_loop(engine):
+    """A replay socket that takes the request and never answers, and a stream with a gap
+    after every batch: every batch is processed, one warning, in bounded time."""
+    silent = ReplayServer(f"tcp://127.0.0.1:{free_port()}")  # never serves: never answers
+    try:
+        proc = start_kvctl("tap", engine.endpoint, "--replay-endpoint", silent.endpoint,
+                           "--json", "--idle-timeout", "1")
+        engine.wait_for()
+        started = time.monotonic()
+        for i in range(300):
+            engine.send([removed([i])], seq=2 * i)  # every odd seq is missing
+        rc, out, err = finish(proc, timeout=30)
+        elapsed = time.monotonic() - started
+    finally:
+        silent.close()
+    assert rc == 0, err
+    assert len(json_lines(out)) == 300
+    assert "in 300 batches" in err and "gaps 299 (299 batches missing, 0 recovered)" in err
+    assert err.count("does not answer") == 1, err
+    assert elapsed < 10, f"{elapsed:.1f} s"

@@ -125,13 +125,17 @@ class Subscriber:
 
 
 def fetch_replay(
-    endpoint: str, start_seq: int, timeout: float = 2.0, max_batches: int = 1_000_000
+    endpoint: str, start_seq: int, timeout: float = 2.0, max_batches: int = 1_000_000,
+    first_reply_timeout: float | None = None, stop_seq: int | None = None,
 ) -> tuple[list[tuple[bytes, bytes, bytes]], bool]:
     """Ask a replay ROUTER for every buffered batch with seq >= ``start_seq``.
 
     Returns ``([(topic, seq_frame, payload), ...], complete)``; ``complete`` is False when the end
-    marker did not arrive within ``timeout`` seconds of silence. Accepts both reply layouts:
-    ``[b"", topic, seq, payload]`` (vLLM >= 0.26) and ``[b"", seq, payload]`` (older).
+    marker did not arrive within ``timeout`` seconds of silence (``first_reply_timeout``, if
+    given, for the first reply: ``([], False)`` then means "no answer"). With ``stop_seq`` it
+    returns (complete) once a batch with seq >= ``stop_seq`` arrived, without reading the rest
+    of the engine's buffer. Accepts both reply layouts: ``[b"", topic, seq, payload]``
+    (vLLM >= 0.26) and ``[b"", seq, payload]`` (older).
     """
     sock = context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -139,9 +143,11 @@ def fetch_replay(
         sock.connect(endpoint)
         sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
         out: list[tuple[bytes, bytes, bytes]] = []
+        wait = timeout if first_reply_timeout is None else first_reply_timeout
         while len(out) < max_batches:
-            if not sock.poll(int(timeout * 1000)):
+            if not sock.poll(int(wait * 1000)):
                 return out, False
+            wait = timeout
             frames = sock.recv_multipart()
             if frames and frames[0] == b"":
                 frames = frames[1:]
@@ -154,6 +160,8 @@ def fetch_replay(
             if seq == END_SEQ:
                 return out, True
             out.append((topic, seq, payload))
+            if stop_seq is not None and int.from_bytes(seq, "big") >= stop_seq:
+                return out, True
         return out, False
     except zmq.ZMQError as exc:
         raise TransportError(f"{endpoint}: replay request failed: {exc}") from None
