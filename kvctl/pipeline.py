@@ -413,20 +413,26 @@ class LiveSource:
                 if kind == "zmq":
                     address, worker, dp = spec.address, spec.worker_id, spec.dp_rank
                     recv = sock.recv_multipart
+                    sub = self.zmq_by_socket[sock]
                     messages = size = 0
+                    sample = sub.sample_due()  # the first message's size is known at once
                     for _ in range(DRAIN_LIMIT):
                         try:
                             frames = recv(NOBLOCK)
                         except Again:
                             break
                         if not produced and self.waiting:  # data before the monitor's word
-                            self._zmq_event(self.zmq_by_socket[sock], data=True)
+                            self._zmq_event(sub, data=True)
                         produced = True
                         messages += 1
                         size += sum(map(len, frames))
+                        if messages >= sample:
+                            sub.received(messages, size)
+                            messages = size = 0
+                            sample = sub.sample_due()
                         yield decode_zmq(frames, address, time_ns(), worker, dp)
                     if messages:
-                        self.zmq_by_socket[sock].received(messages, size)
+                        sub.received(messages, size)
                     continue
                 if kind == "monitor":
                     self._zmq_event(spec)

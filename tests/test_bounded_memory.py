@@ -18,6 +18,7 @@ from conftest import (
     interrupt,
     kvctl_cmd,
     read_line,
+    removed,
     start_kvctl,
 )
 
@@ -126,3 +127,22 @@ def test_a_stalled_nats_tap_stays_bounded_and_says_what_it_dropped(tmp_path):
     assert queued * len(payload) <= 16_000_000, summary  # the bound held
     assert err.count("receive queue full (--max-queue") <= 1, err  # a warning, not a flood
     assert peak_kb < RSS_LIMIT_KB, f"peak RSS {peak_kb / 1000:.0f} MB; {summary}"
+
+
+def test_interrupt_says_how_many_received_zmq_batches_were_not_processed(engine):
+    """tap stalls on a stdout nobody reads while batches keep arriving; Ctrl-C: the summary
+    accounts for each of them, processed or still queued."""
+    sent = 500  # fewer than the socket takes before it has measured a message
+    proc = start_kvctl("tap", engine.endpoint, "--json")
+    engine.wait_for()
+    for i in range(sent):
+        engine.send([removed(list(range(i, i + 32)))])
+    wait_until_quiet(int(engine.endpoint.rsplit(":", 1)[1]))  # all of it reached kvctl
+    interrupt(proc)
+    rc, _, err = finish(proc)
+    summary = err.strip().splitlines()[-1]
+    assert rc == 130, err
+    received = count(r" in ([\d,]+) batch", summary)
+    queued = count(r"([\d,]+) received batch(?:es)? not processed \(queued at exit\)", summary)
+    assert received + queued == sent and queued > 0, summary
+    assert "gaps 0" in summary, summary

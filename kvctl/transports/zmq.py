@@ -43,7 +43,7 @@ class Subscriber:
     ASSUMED_MESSAGE_BYTES = 64 * 1024  # until messages are seen: large, to start bounded
     MIN_HWM, MAX_HWM = 4, 1_000_000
     ADAPT_EVERY = 1024  # messages between two estimates
-    MESSAGE_OVERHEAD = 128  # bytes libzmq and malloc add to each queued message
+    MESSAGE_OVERHEAD = 320  # bytes libzmq adds per queued message: 3 frames of 64 B, allocations
 
     def __init__(self, endpoint: str, topic: bytes = b"",
                  queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
@@ -87,6 +87,10 @@ class Subscriber:
             self.hwm = hwm
             with contextlib.suppress(zmq.ZMQError):
                 self.socket.setsockopt(zmq.RCVHWM, hwm)
+
+    def sample_due(self) -> int:
+        """Messages until the next estimate is due (:meth:`received` may wait until then)."""
+        return max(self._adapt_at - self._seen_messages, 1)
 
     def drain(self) -> int:
         """Discard what is queued (at exit), bounded by the high-water mark; returns how many
