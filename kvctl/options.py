@@ -40,7 +40,7 @@ class ByteSize(click.ParamType):
         number, unit = (text[:-1], text[-1]) if text[-1:] in self.UNITS else (text, "")
         try:
             size = int(float(number) * self.UNITS[unit])
-        except ValueError:
+        except (ValueError, OverflowError):
             self.fail(f"{value!r} is not a size (e.g. 64M, 1G)", param, ctx)
         if size < self.MINIMUM:
             self.fail(f"{value!r} is below the minimum of 1M", param, ctx)

@@ -228,11 +228,17 @@ def test_dead_endpoint_is_a_clear_error():
     ["tap"], ["tap", "foo://bar"], ["tap", "tcp://127.0.0.1:1", "-c", "0"],
     ["tap", "tcp://127.0.0.1:1", "--type", "Nope"], ["tap", "tcp://nohost"],
     ["tap", "=tcp://127.0.0.1:1"], ["tap", "0:x=tcp://127.0.0.1:1"],
+    *(["tap", "tcp://127.0.0.1:1", "--max-queue", size] for size in ("abc", "10k", "inf", "-1G")),
 ])
 def test_usage_errors_exit_2(args):
     result = run_kvctl(*args)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr.decode()
+
+
+def test_max_queue_from_environment():
+    result = run_kvctl("tap", "tcp://127.0.0.1:1", env={"KVCTL_TAP_MAX_QUEUE": "10k"})
+    assert result.returncode == 2 and b"KVCTL_TAP_MAX_QUEUE" in result.stderr, result.stderr
 
 
 def test_options_from_environment(engine):
