@@ -81,6 +81,12 @@ def test_a_flood_of_64kb_batches_stays_bounded_and_accounted(tmp_path, command):
     missing = count(r"\(([\d,]+) batch(?:es)? missing", summary)
     assert received + missing == sent, summary  # every batch is received or counted lost
     assert peak_kb < RSS_LIMIT_KB, f"peak RSS {peak_kb / 1000:.0f} MB; {summary}"
+    if command[0] == "record":  # the recording says the same: every batch, every gap
+        back = subprocess.run(kvctl_cmd("cat", args[-1], "--json"), capture_output=True,
+                              cwd=REPO, timeout=60)
+        read_back = back.stderr.decode().strip().splitlines()[-1]
+        assert count(r" in ([\d,]+) batch", read_back) == received, read_back
+        assert count(r"\(([\d,]+) batch(?:es)? missing", read_back) == missing, read_back
 
 
 def wait_until_quiet(port: int, timeout: float = 20) -> None:
