@@ -274,8 +274,7 @@ class Checker:
             self.last_seen_ns.setdefault(batch.source, 0)
         if batch.error is not None:
             self._emit("KV001", batch, f"malformed batch: {batch.error}")
-        else:  # a malformed message's seq frame is not trusted: same accounting as the pipeline
-            self._check_seq(batch)
+        self._check_seq(batch)  # a malformed seq counts as the pipeline's (see SeqTracker)
         state = self.state
         bkey = state.batch_key(batch)
         t = batch_time(batch)

@@ -16,17 +16,17 @@ OPTIONS = "Options"
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     "Sources": ("--subject", "--from-start", "--replay-endpoint", "--topic"),
-    "Connection / NATS auth": ("--connect-timeout", "--nats-user", "--nats-password",
+    "Connection / NATS auth": ("--connect-timeout", "--max-queue", "--nats-user", "--nats-password",
                                "--nats-token", "--nats-creds", "--tls-ca", "--tls-cert",
                                "--tls-key"),
     "Target": ("--to", "--format", "--array-layout", "--port-per-worker", "--keep-seq",
                "--worker-topics", "--replay-port", "--wait-subscribers", "--linger",
                "--namespace", "--component", "--endpoint", "--host", "--base-port",
-               "--replay-base-port", "--start-delay"),
+               "--replay-base-port", "--start-delay", "--hwm"),
     "Filters": ("--type", "--worker"),
     "Stop conditions": ("--count", "--duration", "--idle-timeout", "--requests"),
-    "Output": ("--json", "--hash-format", "--quiet", "--output", "--rotate-size",
-               "--rotate-every", "--fsync", "--plot"),
+    "Output": ("--json", "--hash-format", "--quiet", "--output", "--overwrite", "--append",
+               "--rotate-size", "--rotate-every", "--fsync", "--plot"),
 }
 """Section title -> the long option names it holds, in display order after ``Options``."""
 

@@ -29,6 +29,27 @@ def _stack(*decorators: F) -> Callable[[F], F]:
     return apply
 
 
+class ByteSize(click.ParamType):
+    """A size in bytes: a number with an optional K, M or G suffix (decimal: 64M = 64e6)."""
+
+    name = "size"
+    UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+    MINIMUM = 10**6
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower().removesuffix("b")
+        number, unit = (text[:-1], text[-1]) if text[-1:] in self.UNITS else (text, "")
+        try:
+            size = int(float(number) * self.UNITS[unit])
+        except (ValueError, OverflowError):
+            self.fail(f"{value!r} is not a size (e.g. 64M, 1G)", param, ctx)
+        if size < self.MINIMUM:
+            self.fail(f"{value!r} is below the minimum of 1M", param, ctx)
+        return size
+
+
 # NATS credentials and TLS: the same for every command that talks to NATS, reading (tap,
 # record, check, ...) or publishing (replay, simulate, bridge's target)
 nats_auth_options = _stack(
@@ -63,6 +84,12 @@ source_arguments = _stack(
                  help="Give up (exit 1) when a source is not there within this time, or a NATS "
                       "server is gone this long. Default: wait without limit, saying so on "
                       "stderr after 3 s (0 also waits without limit)."),
+    click.option("--max-queue", type=ByteSize(), default="64M", show_default=True,
+                 metavar="SIZE",
+                 help="Memory for messages received but not yet processed, shared by the "
+                      "live sources. When it is full, ZMQ stops reading (the engine's PUB "
+                      "drops: seq gaps) and NATS messages are dropped and counted; both show "
+                      "in the summary."),
     nats_auth_options,
 )
 
@@ -125,5 +152,6 @@ def connection_kwargs(params: dict[str, Any]) -> dict[str, Any]:
         "replay_endpoints": list(params["replay_endpoints"]),
         "connect_timeout": params["connect_timeout"] or None,  # 0: wait forever, as before
         "topic": params["topic"].encode(),
+        "max_queue": params.get("max_queue"),
         "quiet": bool(params.get("quiet", False)),
     }

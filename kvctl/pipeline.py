@@ -86,6 +86,10 @@ class Summary:
     duplicates: int = 0
     reorders: int = 0
     restarts: int = 0
+    dropped: int = 0
+    """Received but dropped here, a receive queue being full (--max-queue)."""
+    unprocessed: int = 0
+    """Received but still queued when the run was interrupted."""
     publishers: set = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
     stopped_by: str = "end of input"
@@ -107,6 +111,8 @@ class Summary:
             "duplicates": self.duplicates,
             "reorders": self.reorders,
             "restarts": self.restarts,
+            "dropped_batches": self.dropped,
+            "unprocessed_batches": self.unprocessed,
             "elapsed_s": round(time.monotonic() - self.started, 3),
             "stopped_by": self.stopped_by,
         }
@@ -121,7 +127,13 @@ class Summary:
                 f"({plural(self.missing, 'batch')} missing, {self.recovered} recovered), "
                 f"duplicates {self.duplicates}, reorders {self.reorders}, "
                 f"malformed {self.malformed}")
-        return text + f"; stopped by {self.stopped_by}"
+        if self.dropped:
+            text += f", dropped {self.dropped:,} (receive queue full, see --max-queue)"
+        text += f"; stopped by {self.stopped_by}"
+        if self.unprocessed:
+            text += (f", {plural(self.unprocessed, 'received batch', thousands=True)} not "
+                     "processed (queued at exit)")
+        return text
 
 
 class Diagnostics(Protocol):
@@ -137,7 +149,9 @@ class SeqTracker:
 
     A seq beyond the next expected one opens a gap; a seq inside an open gap arrives late (a
     reorder: the gap shrinks); any other old seq is a duplicate, except 0, a publisher
-    restart. Malformed messages are not tracked (their seq frame is not trusted)."""
+    restart. A malformed message whose seq frame parsed counts only where its seq is the one
+    expected or fills a gap (so it is not also a gap); a seq frame of a message that is
+    otherwise garbage never opens a gap or a restart."""
 
     MAX_OPEN_GAPS = 64  # per publisher, to bound memory
 
@@ -149,11 +163,14 @@ class SeqTracker:
 
     def check(self, batch: Batch) -> tuple[int, int] | None:
         """Account for ``batch``; returns the missing range ``(first, end)`` on a forward gap."""
-        if batch.seq is None or batch.error is not None:
+        seq = batch.seq
+        if type(seq) is not int:
             return None
         key = batch.publisher
+        if batch.error is not None:
+            self._malformed(key, seq)
+            return None
         expected = self.next_seq.get(key)
-        seq = batch.seq
         if expected is None or seq == expected:
             self.next_seq[key] = seq + 1
             return None
@@ -181,6 +198,16 @@ class SeqTracker:
         if self.diagnostics:
             self.diagnostics.sequence(key, kind, expected, seq)
         return None
+
+    def _malformed(self, key: Any, seq: int) -> None:
+        try:
+            expected = self.next_seq.get(key)
+        except TypeError:  # an unhashable publisher (a hostile Dynamo envelope)
+            return
+        if expected is not None and seq == expected:
+            self.next_seq[key] = seq + 1
+        elif expected is not None and seq < expected and self.fill(key, seq):
+            self.summary.missing -= 1  # arrived, if unreadable: counted as malformed
 
     def fill(self, key: Any, seq: int) -> bool:
         """Take ``seq`` out of the open gaps of ``key``; False if it was not missing."""
@@ -225,7 +252,10 @@ class LiveSource:
         connect_timeout: float | None = None,
         topic: bytes = b"",
         notify: Notify | None = None,
+        max_queue: int | None = None,
     ) -> None:
+        """``max_queue``: bytes received but not yet processed that may be held in memory,
+        shared evenly by the live sources (``--max-queue``)."""
         import zmq
 
         from .transports import zmq as zmq_transport
@@ -238,6 +268,8 @@ class LiveSource:
         self.nats_by_socket: dict[Any, Any] = {}
         self.zmq_by_socket: dict[Any, Any] = {}
         self.replay_for: dict[str, str] = {}
+        self.replay_silent_until: dict[str, float] = {}  # endpoint -> monotonic time
+        self.replay_warned: set[str] = set()
         self.connect_timeout = connect_timeout or None  # 0 is "wait forever", as before
         self.notify = notify
         self.opened = time.monotonic()
@@ -249,12 +281,15 @@ class LiveSource:
         self._closed = False
         self._failed = False
         zmq_specs = [s for s in specs if s.kind == "zmq"]
+        live = sum(1 for s in specs if s.kind in ("zmq", "nats"))
+        self.queue_bytes = (max_queue or zmq_transport.DEFAULT_QUEUE_BYTES) // max(live, 1)
+        self.drops_said = False
         if replay_endpoints and len(replay_endpoints) > len(zmq_specs):
             raise UsageError(f"{len(replay_endpoints)} --replay-endpoint for "
                              f"{len(zmq_specs)} ZMQ sources; give at most one per ZMQ source")
         try:
             for i, spec in enumerate(zmq_specs):
-                sub = zmq_transport.Subscriber(spec.address, topic)
+                sub = zmq_transport.Subscriber(spec.address, topic, self.queue_bytes)
                 self.subscribers.append(sub)
                 self.by_socket[sub.socket] = ("zmq", spec)
                 self.zmq_by_socket[sub.socket] = sub
@@ -282,7 +317,7 @@ class LiveSource:
         from .transports import nats as nats_transport
 
         sub = nats_transport.Subscriber(spec.address, spec.subjects + list(subjects or []),
-                                        options, from_start)
+                                        options, from_start, self.queue_bytes)
         self.nats.append(sub)
         self.waiting[sub] = sub.server
         self.by_socket[sub.socket] = ("nats", spec)
@@ -378,37 +413,72 @@ class LiveSource:
                 if kind == "zmq":
                     address, worker, dp = spec.address, spec.worker_id, spec.dp_rank
                     recv = sock.recv_multipart
+                    sub = self.zmq_by_socket[sock]
+                    messages = size = 0
+                    sample = sub.sample_due()  # the first message's size is known at once
                     for _ in range(DRAIN_LIMIT):
                         try:
                             frames = recv(NOBLOCK)
                         except Again:
                             break
                         if not produced and self.waiting:  # data before the monitor's word
-                            self._zmq_event(self.zmq_by_socket[sock], data=True)
+                            self._zmq_event(sub, data=True)
                         produced = True
+                        messages += 1
+                        size += sum(map(len, frames))
+                        if messages >= sample:
+                            sub.received(messages, size)
+                            messages = size = 0
+                            sample = sub.sample_due()
                         yield decode_zmq(frames, address, time_ns(), worker, dp)
+                    if messages:
+                        sub.received(messages, size)
                     continue
                 if kind == "monitor":
                     self._zmq_event(spec)
                     continue
+                nats_sub = self.nats_by_socket[sock]
                 for frames in receive_all(sock, DRAIN_LIMIT):
                     if frames[0] == CONTROL:
-                        self._nats_control(self.nats_by_socket[sock], frames[1],
-                                           frames[2].decode())
+                        self._nats_control(nats_sub, frames[1], frames[2].decode())
                         continue
+                    nats_sub.taken(frames)
                     produced = True
                     yield decode_nats(frames[0].decode(), frames[1], spec.address, time_ns())
+                if nats_sub.dropped and not self.drops_said:
+                    self.drops_said = True
+                    self._say(f"kvctl: {nats_sub.server}: receive queue full (--max-queue "
+                              f"{self.queue_bytes / 1e6:g} MB per source): dropping "
+                              "messages, counted in the summary", "yellow")
             if not produced:
                 yield None  # idle, or only connection events: the caller checks its timers
+
+    REPLAY_FIRST_REPLY_S = 0.5
+    """How long the receive loop waits for a replay socket's first reply (an engine answers
+    within milliseconds); meanwhile messages queue up, within --max-queue."""
+    REPLAY_BACKOFF_S = 30.0
+    """A replay socket that did not answer is not asked again for this long."""
 
     def recover(self, batch: Batch, first: int, end: int) -> list[Batch]:
         """Fetch batches ``first..end-1`` from the source's replay socket, if it has one."""
         endpoint = self.replay_for.get(batch.source)
         if endpoint is None:
             return []
+        now = time.monotonic()
+        if now < self.replay_silent_until.get(endpoint, 0.0):
+            return []
         from .transports.zmq import fetch_replay
 
-        replies, _complete = fetch_replay(endpoint, first)
+        replies, complete = fetch_replay(endpoint, first, timeout=1.0, stop_seq=end - 1,
+                                         first_reply_timeout=self.REPLAY_FIRST_REPLY_S)
+        if not replies and not complete:  # no answer at all
+            self.replay_silent_until[endpoint] = now + self.REPLAY_BACKOFF_S
+            if endpoint not in self.replay_warned:
+                self.replay_warned.add(endpoint)
+                self._say(f"kvctl: replay endpoint {endpoint} does not answer; gaps are not "
+                          f"recovered from it (asked again every {self.REPLAY_BACKOFF_S:.0f} "
+                          "s, without a further word)", "yellow")
+            return []
         out = []
         spec = next(s for k, s in self.by_socket.values()
                     if k == "zmq" and s.address == batch.source)
@@ -420,6 +490,15 @@ class LiveSource:
                 rb.recovered = True
                 out.append(rb)
         return out
+
+    def dropped(self) -> int:
+        """Messages dropped by this process because a receive queue was full."""
+        return sum(sub.dropped for sub in self.nats)
+
+    def unprocessed(self) -> int:
+        """Messages received but not processed yet (at exit: discards them while counting)."""
+        return sum(sub.drain() for sub in self.subscribers) + \
+            sum(sub.queued_messages() for sub in self.nats)
 
     def close(self) -> None:
         if self._closed:
@@ -455,6 +534,29 @@ def run(
     recorders and checkers use it so that nothing is lost to a filter or a count.
     """
     summary = summary or Summary()
+    try:
+        return _run(source, sink, limits, filters, diagnostics, strict, summary, on_batch)
+    except KeyboardInterrupt:
+        unprocessed = getattr(source, "unprocessed", None)
+        if unprocessed is not None:
+            summary.unprocessed = unprocessed()
+        raise
+    finally:
+        dropped = getattr(source, "dropped", None)
+        if dropped is not None:
+            summary.dropped = dropped()
+
+
+def _run(
+    source: Any,
+    sink: Sink,
+    limits: Limits,
+    filters: Filters | None,
+    diagnostics: Diagnostics | None,
+    strict: bool,
+    summary: Summary,
+    on_batch: Callable[[Batch], None] | None,
+) -> Summary:
     filter_events = filters.apply if filters and (filters.types or filters.workers) else None
     counts = summary.events
     tracker = SeqTracker(summary, diagnostics)

@@ -118,8 +118,11 @@ class Ticking:
     def __init__(self, source: Any, tick: Callable[[], bool]) -> None:
         self.source = source
         self.tick = tick
-        if hasattr(source, "recover"):
-            self.recover = source.recover  # gap recovery from the replay socket keeps working
+        # gap recovery from the replay socket, and the counts of what the queues dropped or
+        # still held, keep working through the wrapper
+        for name in ("recover", "dropped", "unprocessed"):
+            if hasattr(source, name):
+                setattr(self, name, getattr(source, name))
 
     def batches(self) -> Iterator[Batch | None]:
         for item in self.source.batches():

@@ -154,13 +154,25 @@ class SeqTracker:
     A seq beyond ``last + 1`` is a gap; a seq inside an outstanding gap fills it (``recovered``
     when the batch came from the replay socket, ``reorder`` otherwise); any other seq not above
     ``last`` is a duplicate, except seq 0, which is a publisher restart (``reset``). Batches
-    without a seq are not tracked. Timestamps going backwards are reported for live batches.
+    without a seq are not tracked; malformed ones only as :meth:`_malformed` says.
+    Timestamps going backwards are reported for live batches.
     """
 
     _MAX_RANGES = 64  # outstanding gaps remembered per publisher, to bound memory
 
     def __init__(self) -> None:
         self.publishers: dict[Any, _PublisherSeq] = {}
+
+    def _malformed(self, pub: _PublisherSeq, seq: Any) -> None:
+        """A malformed message whose seq frame parsed: its seq arrived, so it is no gap, but
+        a seq from an otherwise unreadable message never opens a gap or a restart (as in
+        the pipeline's tracker)."""
+        if type(seq) is not int or pub.last is None:
+            return
+        if seq == pub.last + 1:
+            pub.last = seq
+        elif seq <= pub.last:
+            self._fill(pub, seq)
 
     def observe(self, batch: Batch) -> list[SeqEvent]:
         pub_key = batch.publisher if batch.publisher is not None else batch.source
@@ -171,6 +183,9 @@ class SeqTracker:
             pub = self.publishers.get(pub_key)
         if pub is None:
             pub = self.publishers[pub_key] = _PublisherSeq()
+        if batch.error is not None:
+            self._malformed(pub, batch.seq)
+            return []
         pub.batches += 1
         out: list[SeqEvent] = []
         late = False  # a batch that fills a gap is expected to carry an older timestamp

@@ -107,8 +107,8 @@ class StatsCollector:
     # --- feeding ---------------------------------------------------------------------------
 
     def feed(self, batch: Batch) -> None:
-        # A malformed message's seq frame is not trusted: same gap accounting as the pipeline.
-        for ev in self.seq.observe(batch) if batch.error is None else ():
+        # A malformed message's seq counts as in the pipeline (see state.SeqTracker).
+        for ev in self.seq.observe(batch):
             if ev.kind == "ts-backwards":
                 self.seq_irregular["ts-backwards"] += 1
         total = self.total

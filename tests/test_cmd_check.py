@@ -41,7 +41,7 @@ def publish_broken(engine: Engine) -> int:
     engine.send([stored([7], parent=6, block_size=8)])  # KV202 (--block-size 4), KV203
     engine.send_raw([b"", (engine.seq).to_bytes(8, "big"), b"\xc1garbage"])  # KV001
     engine.seq += 1
-    engine.send([removed([1])], seq=9)  # KV301: 5..8 missing (5 was malformed: no seq trusted)
+    engine.send([removed([1])], seq=9)  # KV301: 6..8 missing (5 arrived, if malformed)
     return 7
 
 
@@ -59,13 +59,13 @@ def test_broken_stream_findings_print_live_and_exit_3(engine):
     assert ids == EXPECTED_ERRORS | {"KV203"}, err
     line = next(x for x in finding_lines if "KV101" in x)
     assert "error remove-unknown-block" in line and "seq 1" in line and "hash 99" in line
-    assert "seq 9, expected 5" in next(x for x in finding_lines if "KV301" in x)
+    assert "seq 9, expected 6" in next(x for x in finding_lines if "KV301" in x)
     # the report on stdout: grouped by rule with its name, severity and count, then a verdict
     for rule in EXPECTED_ERRORS:
         assert rule in out
     assert "remove-unknown-block" in out and "FAIL" in out and "6 errors" in out
     # and the same stream accounting as tap
-    assert "7 events" in err and "gaps 1 (4 batches missing" in err and "malformed 1" in err
+    assert "7 events" in err and "gaps 1 (3 batches missing" in err and "malformed 1" in err
 
 
 def test_json_report_is_one_object(engine):
@@ -82,7 +82,7 @@ def test_json_report_is_one_object(engine):
     ex = rules["KV101"]["examples"][0]
     assert (ex["seq"], ex["hash"], ex["source"]) == (1, 99, engine.endpoint)
     assert ex["worker"] == f"{engine.endpoint}[dp0]" and ex["ts"] == 1_700_000_000.5
-    assert rules["KV301"]["details"]["missing_batches"] == 4 == rep["stream"]["missing_batches"]
+    assert rules["KV301"]["details"]["missing_batches"] == 3 == rep["stream"]["missing_batches"]
     assert (rep["errors"], rep["warnings"], rep["infos"]) == (6, 1, 0)
     assert rep["batches"] == 7 and rep["events"] == 7
     assert rep["stream"]["gaps"] == 1 and rep["stream"]["malformed"] == 1

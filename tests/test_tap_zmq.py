@@ -228,11 +228,17 @@ def test_dead_endpoint_is_a_clear_error():
     ["tap"], ["tap", "foo://bar"], ["tap", "tcp://127.0.0.1:1", "-c", "0"],
     ["tap", "tcp://127.0.0.1:1", "--type", "Nope"], ["tap", "tcp://nohost"],
     ["tap", "=tcp://127.0.0.1:1"], ["tap", "0:x=tcp://127.0.0.1:1"],
+    *(["tap", "tcp://127.0.0.1:1", "--max-queue", size] for size in ("abc", "10k", "inf", "-1G")),
 ])
 def test_usage_errors_exit_2(args):
     result = run_kvctl(*args)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr.decode()
+
+
+def test_max_queue_from_environment():
+    result = run_kvctl("tap", "tcp://127.0.0.1:1", env={"KVCTL_TAP_MAX_QUEUE": "10k"})
+    assert result.returncode == 2 and b"KVCTL_TAP_MAX_QUEUE" in result.stderr, result.stderr
 
 
 def test_options_from_environment(engine):
@@ -291,3 +297,49 @@ def test_a_closed_pipe_ends_quietly_with_exit_0(tmp_path, mode):
     rc = proc.wait(30)
     err = proc.stderr.read()
     assert rc == 0 and b"Traceback" not in err, err
+
+
+def test_a_malformed_message_is_not_also_a_gap(engine, tmp_path):
+    """[seq 0 ok, seq 1 malformed, seq 2 ok]: 0 gaps and 1 malformed, live and read back."""
+    recording = tmp_path / "run.parquet"
+    record = start_kvctl("record", engine.endpoint, "-o", str(recording), "--idle-timeout", "1")
+    tap = start_kvctl("tap", engine.endpoint, "--json", "--idle-timeout", "1")
+    engine.wait_for(subscribers=2)
+    engine.send([removed([0])], seq=0)
+    engine.send_raw([b"", (1).to_bytes(8, "big"), b"\xc1"])
+    engine.send([removed([2])], seq=2)
+    for proc in (tap, record):
+        rc, out, err = finish(proc)
+        assert rc == 0, err
+        assert "gaps 0 (0 batches missing" in err and "malformed 1" in err, err
+    cat = run_kvctl("cat", str(recording), "--json")
+    summary = cat.stderr.decode()
+    assert cat.returncode == 0, summary
+    assert "gaps 0 (0 batches missing" in summary and "malformed 1" in summary, summary
+    check = run_kvctl("check", str(recording), "--json")
+    report = json.loads(check.stdout)
+    counts = {rule["id"]: rule["count"] for rule in report["rules"]}
+    assert counts.get("KV001") == 1 and "KV301" not in counts, report
+    assert report["stream"]["gaps"] == 0 and report["stream"]["malformed"] == 1
+
+
+def test_a_silent_replay_endpoint_is_warned_about_once_and_never_stalls_the_loop(engine):
+    """A replay socket that takes the request and never answers, and a stream with a gap
+    after every batch: every batch is processed, one warning, in bounded time."""
+    silent = ReplayServer(f"tcp://127.0.0.1:{free_port()}")  # never serves: never answers
+    try:
+        proc = start_kvctl("tap", engine.endpoint, "--replay-endpoint", silent.endpoint,
+                           "--json", "--idle-timeout", "1")
+        engine.wait_for()
+        started = time.monotonic()
+        for i in range(300):
+            engine.send([removed([i])], seq=2 * i)  # every odd seq is missing
+        rc, out, err = finish(proc, timeout=30)
+        elapsed = time.monotonic() - started
+    finally:
+        silent.close()
+    assert rc == 0, err
+    assert len(json_lines(out)) == 300
+    assert "in 300 batches" in err and "gaps 299 (299 batches missing, 0 recovered)" in err
+    assert err.count("does not answer") == 1, err
+    assert elapsed < 10, f"{elapsed:.1f} s"

@@ -77,7 +77,8 @@ class TopModel:
         row.last_seen = recv_time(batch)
         if batch.error is not None:
             row.malformed += 1
-            return  # a malformed message's seq frame is not trusted (as in tap)
+            self.seq.observe(batch)  # its seq arrived: not a gap (see state.SeqTracker)
+            return
         if batch.seq is not None:
             row.last_seq = batch.seq
             for ev in self.seq.observe(batch):

@@ -93,6 +93,7 @@ CONVERTER_RESTARTS = 3  # a converter that keeps dying: the rest is converted at
 CONVERTER_NICE = 19  # the receive loop comes first; conversion uses idle CPU (disk buffers)
 CONVERTER_STALL_S = 60.0  # at close: a converter silent this long is replaced by inline work
 MAX_READY_CHUNKS = 16  # built chunks waiting for the I/O thread before the caller writes them
+FLUSH_BYTES = 4_000_000  # raw frames buffered before a chunk is cut: large batches stay bounded
 
 
 def _journal_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -244,6 +245,7 @@ class RecordingWriter:
                        if labels is not None else None)
         self._fields = message_fields if labels is None else message_fields_unlabelled
         self._buf = RowBuffer(labelled=labels is None)  # what the receive loop appends to
+        self._buffered_bytes = 0  # raw frames in self._buf (approximately: see _cut)
         self._busy = False  # the writing thread is appending to a buffer (see _cut)
         self._ready: deque[Any] = deque()  # built chunks (and rotation marks) to write
         self._cut_lock = threading.Lock()  # one builder at a time keeps the order
@@ -306,7 +308,8 @@ class RecordingWriter:
         buf.events.append(n)
         buf.frames.append(batch.frames)
         self._busy = False
-        if len(buf.rows) >= self.flush_rows:
+        self._buffered_bytes += sum(map(len, batch.frames))
+        if len(buf.rows) >= self.flush_rows or self._buffered_bytes >= FLUSH_BYTES:
             self._cut()
 
     def write(self, batches: Batch | Iterable[Batch]) -> None:
@@ -349,6 +352,7 @@ class RecordingWriter:
         with self._cut_lock:
             buf = self._buf
             self._buf = RowBuffer(buf.labelled)
+            self._buffered_bytes = 0
             self._last_flush = time.monotonic()
             # Lock-free hand-over (writes come from one thread, the receive loop): a write
             # sets _busy before it reads self._buf, so once _busy is seen clear after the

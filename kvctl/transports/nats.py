@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from ..errors import TransportError, UsageError
-from .zmq import context
+from .zmq import DEFAULT_QUEUE_BYTES, context
 
 # Subjects of every Dynamo era (see the wire-format reference, section 2).
 DEFAULT_SUBJECTS = (
@@ -123,10 +123,14 @@ class History:
     RETRY_S = 0.5  # JetStream needs a moment after a server restart
     RETRIES = 40
 
-    def __init__(self, nc: Any, push: zmq.Socket, control: Any) -> None:
+    def __init__(self, nc: Any, push: zmq.Socket, control: Any, hand_off: Any) -> None:
         self.js = nc.jetstream()
         self.push = push
         self.control = control
+        self.hand_off = hand_off
+        """``await hand_off(subject, data)``: queue a message for the main loop, waiting for
+        room (history is never dropped: the ordered consumer's flow control holds the
+        server back meanwhile)."""
         self.subjects: set[str] = set()
         self.next_seq: dict[str, int] = {}
         self.subscriptions: dict[str, Any] = {}
@@ -143,11 +147,11 @@ class History:
     async def _subscribe(self, subject: str) -> None:
         from nats.js.api import ConsumerConfig, DeliverPolicy
 
-        push, next_seq = self.push, self.next_seq
+        hand_off, next_seq = self.hand_off, self.next_seq
 
         async def forward(msg: Any) -> None:
+            await hand_off(msg.subject.encode(), msg.data)
             next_seq[subject] = msg.metadata.sequence.stream + 1
-            push.send_multipart([msg.subject.encode(), msg.data], copy=False)
 
         start = next_seq.get(subject)
         config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL) if start is None else \
@@ -189,6 +193,7 @@ class Subscriber:
     """
 
     RECONNECT_WAIT_S = 0.5  # between attempts: a restarted server is found within ~0.5 s
+    ROOM_WAIT_S = 0.005  # JetStream history waiting for the main loop to make room
 
     def __init__(
         self,
@@ -196,6 +201,7 @@ class Subscriber:
         subjects: list[str],
         options: NatsOptions | None = None,
         from_start: bool = False,
+        queue_bytes: int = DEFAULT_QUEUE_BYTES,
     ) -> None:
         if not server.startswith(("nats://", "tls://")):
             raise UsageError(f"{server}: not a NATS URL (nats://HOST:PORT)")
@@ -203,6 +209,13 @@ class Subscriber:
         self.subjects = subjects or list(DEFAULT_SUBJECTS)
         self.options = options or NatsOptions()
         self.from_start = from_start
+        self.queue_bytes = queue_bytes
+        # The hand-off queue (the inproc socket) is bounded by bytes with two counter pairs,
+        # each written by one thread only: pushed by the NATS thread, taken by the main loop.
+        self.pushed = self.pushed_bytes = 0
+        self.taken_messages = self.taken_bytes = 0
+        self.dropped = 0
+        """Messages dropped here (queue full, or nats-py's slow-consumer limit); NATS thread."""
         self._address = f"inproc://kvctl-nats-{id(self)}"
         self.socket = context().socket(zmq.PULL)
         self.socket.setsockopt(zmq.RCVHWM, 0)
@@ -251,8 +264,13 @@ class Subscriber:
         connected = False
         last_said = ""
 
+        from nats.errors import SlowConsumerError
+
         async def on_error(exc: Exception) -> None:
             nonlocal last_said
+            if isinstance(exc, SlowConsumerError):  # one per message nats-py dropped
+                self.dropped += 1
+                return
             reason = describe(exc)
             self.last_error = reason
             if is_fatal(exc):
@@ -298,7 +316,7 @@ class Subscriber:
         self._control(push, "up", "connected")  # before the first message, never after it
         try:
             if self.from_start:
-                history = History(nc, push, self._control)
+                history = History(nc, push, self._control, self._hand_off_waiting(push, stop))
                 await history.start()
             await self._subscribe(nc, push, history.subjects if history else set())
         except Exception as exc:
@@ -340,11 +358,44 @@ class Subscriber:
         async def forward(msg: Any) -> None:
             if msg.subject in jetstream_subjects or not is_kv_subject(msg.subject):
                 return
-            push.send_multipart([msg.subject.encode(), msg.data], copy=False)
+            self._hand_off(push, msg.subject.encode(), msg.data)
 
         for subject in self.subjects:
-            await nc.subscribe(subject, cb=forward)
+            await nc.subscribe(subject, cb=forward, pending_bytes_limit=self.queue_bytes)
         await nc.flush(timeout=self.options.connect_timeout)
+
+    def _hand_off(self, push: zmq.Socket, subject: bytes, data: bytes) -> bool:
+        """Queue a message for the main loop, or drop and count it when the queue is full."""
+        size = len(subject) + len(data)
+        if self.pushed_bytes - self.taken_bytes + size > self.queue_bytes and \
+                self.pushed != self.taken_messages:  # one message always fits
+            self.dropped += 1
+            return False
+        push.send_multipart([subject, data], copy=False)
+        self.pushed_bytes += size
+        self.pushed += 1
+        return True
+
+    def _hand_off_waiting(self, push: zmq.Socket, stop: asyncio.Event) -> Any:
+        async def hand_off(subject: bytes, data: bytes) -> None:
+            size = len(subject) + len(data)
+            while (self.pushed_bytes - self.taken_bytes + size > self.queue_bytes
+                   and self.pushed != self.taken_messages and not stop.is_set()):
+                await asyncio.sleep(self.ROOM_WAIT_S)
+            push.send_multipart([subject, data], copy=False)
+            self.pushed_bytes += size
+            self.pushed += 1
+
+        return hand_off
+
+    def taken(self, frames: list[bytes]) -> None:
+        """The main loop took ``[subject, data]`` off :attr:`socket`."""
+        self.taken_bytes += len(frames[0]) + len(frames[1])
+        self.taken_messages += 1
+
+    def queued_messages(self) -> int:
+        """Messages handed off and not taken yet."""
+        return max(self.pushed - self.taken_messages, 0)
 
     async def _close(self, nc: Any) -> None:
         if nc.is_closed:

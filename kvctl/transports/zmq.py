@@ -19,7 +19,8 @@ import zmq.utils.monitor
 from ..errors import TransportError, UsageError
 
 END_SEQ = b"\xff" * 8
-RECEIVE_HWM = 1_000_000  # a consumer must not be the one that drops: buffer generously
+DEFAULT_QUEUE_BYTES = 64_000_000
+"""What a receiving socket may hold in memory (``--max-queue``)."""
 
 
 def context() -> zmq.Context:
@@ -36,11 +37,25 @@ class Subscriber:
     watched on :attr:`monitor` (the caller polls it and calls :meth:`poll_connection`), so that
     a missing engine can be reported; then the monitor is stopped."""
 
-    def __init__(self, endpoint: str, topic: bytes = b"") -> None:
+    # ZMQ bounds a queue in messages, not bytes: the high-water mark is the byte budget over
+    # a running estimate of the message size. When the queue is full libzmq stops reading
+    # the connection, the engine's PUB queue fills and the PUB drops: a visible seq gap.
+    ASSUMED_MESSAGE_BYTES = 64 * 1024  # until messages are seen: large, to start bounded
+    MIN_HWM, MAX_HWM = 4, 1_000_000
+    ADAPT_EVERY = 1024  # messages between two estimates
+    MESSAGE_OVERHEAD = 320  # bytes libzmq adds per queued message: 3 frames of 64 B, allocations
+
+    def __init__(self, endpoint: str, topic: bytes = b"",
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
         check_endpoint(endpoint)
         self.endpoint = endpoint
+        self.queue_bytes = queue_bytes
         self.socket = context().socket(zmq.SUB)
-        self.socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        self.hwm = self._hwm_for(self.ASSUMED_MESSAGE_BYTES)
+        self.socket.setsockopt(zmq.RCVHWM, self.hwm)
+        self._seen_messages = 0
+        self._seen_bytes = 0
+        self._adapt_at = 1  # the first message already tells its size
         self.socket.setsockopt(zmq.LINGER, 0)
         self.monitor = self.socket.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
@@ -53,6 +68,39 @@ class Subscriber:
             self.close()
             raise UsageError(f"{endpoint}: {exc}") from None
         self.socket.setsockopt(zmq.SUBSCRIBE, topic)
+
+    def _hwm_for(self, message_bytes: float) -> int:
+        hwm = int(self.queue_bytes // (message_bytes + self.MESSAGE_OVERHEAD))
+        return min(max(hwm, self.MIN_HWM), self.MAX_HWM)
+
+    def received(self, messages: int, size: int) -> None:
+        """Account ``messages`` of ``size`` bytes in all; now and then, fit the high-water mark
+        to the average size (libzmq applies it to the connected pipe at once)."""
+        self._seen_messages += messages
+        self._seen_bytes += size
+        if self._seen_messages < self._adapt_at:
+            return
+        hwm = self._hwm_for(self._seen_bytes / self._seen_messages)
+        self._seen_messages = self._seen_bytes = 0
+        self._adapt_at = self.ADAPT_EVERY
+        if hwm != self.hwm and not (0.8 < hwm / self.hwm < 1.25):  # no churn on jitter
+            self.hwm = hwm
+            with contextlib.suppress(zmq.ZMQError):
+                self.socket.setsockopt(zmq.RCVHWM, hwm)
+
+    def sample_due(self) -> int:
+        """Messages until the next estimate is due (:meth:`received` may wait until then)."""
+        return max(self._adapt_at - self._seen_messages, 1)
+
+    def drain(self) -> int:
+        """Discard what is queued (at exit), bounded by the high-water mark; returns how many
+        messages that was."""
+        count = 0
+        with contextlib.suppress(zmq.ZMQError):
+            while count < 2 * self.hwm and self.socket.poll(0):
+                self.socket.recv_multipart(zmq.NOBLOCK)
+                count += 1
+        return count
 
     def poll_connection(self) -> None:
         """Update ``connected``/``refused`` from the monitor socket (non-blocking)."""
@@ -81,13 +129,17 @@ class Subscriber:
 
 
 def fetch_replay(
-    endpoint: str, start_seq: int, timeout: float = 2.0, max_batches: int = 1_000_000
+    endpoint: str, start_seq: int, timeout: float = 2.0, max_batches: int = 1_000_000,
+    first_reply_timeout: float | None = None, stop_seq: int | None = None,
 ) -> tuple[list[tuple[bytes, bytes, bytes]], bool]:
     """Ask a replay ROUTER for every buffered batch with seq >= ``start_seq``.
 
     Returns ``([(topic, seq_frame, payload), ...], complete)``; ``complete`` is False when the end
-    marker did not arrive within ``timeout`` seconds of silence. Accepts both reply layouts:
-    ``[b"", topic, seq, payload]`` (vLLM >= 0.26) and ``[b"", seq, payload]`` (older).
+    marker did not arrive within ``timeout`` seconds of silence (``first_reply_timeout``, if
+    given, for the first reply: ``([], False)`` then means "no answer"). With ``stop_seq`` it
+    returns (complete) once a batch with seq >= ``stop_seq`` arrived, without reading the rest
+    of the engine's buffer. Accepts both reply layouts: ``[b"", topic, seq, payload]``
+    (vLLM >= 0.26) and ``[b"", seq, payload]`` (older).
     """
     sock = context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -95,9 +147,11 @@ def fetch_replay(
         sock.connect(endpoint)
         sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
         out: list[tuple[bytes, bytes, bytes]] = []
+        wait = timeout if first_reply_timeout is None else first_reply_timeout
         while len(out) < max_batches:
-            if not sock.poll(int(timeout * 1000)):
+            if not sock.poll(int(wait * 1000)):
                 return out, False
+            wait = timeout
             frames = sock.recv_multipart()
             if frames and frames[0] == b"":
                 frames = frames[1:]
@@ -110,6 +164,8 @@ def fetch_replay(
             if seq == END_SEQ:
                 return out, True
             out.append((topic, seq, payload))
+            if stop_seq is not None and int.from_bytes(seq, "big") >= stop_seq:
+                return out, True
         return out, False
     except zmq.ZMQError as exc:
         raise TransportError(f"{endpoint}: replay request failed: {exc}") from None
