@@ -215,3 +215,14 @@ def test_trace_out_of_time_order_is_refused(tmp_path):
     result = run_main("simulate", "--trace", str(trace), "--workers", "1", "--base-port",
                       str(free_port_range(1)))
     assert result.code == 2 and f"{trace}:2: timestamp 0 is earlier" in result.err
+
+
+def test_output_that_exists_is_refused_and_kept(tmp_path):
+    """An existing -o file is another run's data: refused in one line (exit 2), untouched."""
+    output = tmp_path / "run.parquet"
+    output.write_bytes(b"someone else's data")
+    result = run_main("simulate", "--workers", "1", "--requests", "2", "-o", str(output))
+    assert result.code == 2, result.err
+    assert result.err.startswith("kvctl: ") and "exists" in result.err
+    assert "Traceback" not in result.err and len(result.err.splitlines()) == 1
+    assert output.read_bytes() == b"someone else's data"

@@ -92,6 +92,7 @@ def command(**params: Any) -> None:
     from ..redact import redact_argv, redact_url
     from ..session import Interrupted
     from ..targets import RecordingTarget, open_target
+    from ..transports.files import OutputExists
 
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
     try:  # the whole trace is checked here, before any socket or file is opened
@@ -109,9 +110,12 @@ def command(**params: Any) -> None:
     if params["output"] and params["to"]:
         raise click.UsageError("-o writes a recording; --to publishes: choose one")
     if params["output"]:
-        target: Any = RecordingTarget(params["output"], params["encoding"],
-                                      metadata={"command": redact_argv(sys.argv[1:]),
-                                                "simulated": True})
+        try:
+            target: Any = RecordingTarget(params["output"], params["encoding"],
+                                          metadata={"command": redact_argv(sys.argv[1:]),
+                                                    "simulated": True})
+        except OutputExists as exc:  # refused before anything was written, as record does
+            raise UsageError(str(exc)) from None
         params["topspeed"] = True  # a dataset, not a live stream: no pacing
     else:
         target = open_target(to, params["encoding"], per_worker=True,
