@@ -328,3 +328,12 @@ def test_a_doctored_row_is_one_line_not_a_traceback(tmp_path, capsys):
         code, out, err = kvctl(capsys, *args)
         assert code == 1 and "Traceback" not in err, (args, err)
         assert sum("damaged recording" in line for line in err.splitlines()) == 1, (args, err)
+
+
+def test_recover_quiet_says_nothing_but_errors(tmp_path, capsys):
+    path = tmp_path / "x.parquet"
+    leave_journal(path, 0, 3)
+    assert kvctl(capsys, "recover", path, "-q") == (0, "", "")
+    assert seqs(path) == [0, 1, 2]
+    code, _, err = kvctl(capsys, "recover", tmp_path / "none.parquet", "-q")
+    assert code == 1 and err.startswith("kvctl: "), err
