@@ -200,6 +200,7 @@ def test_any_envelope_on_the_zmq_event_plane(envelope, publisher_id, sequence):
     (envelope_with(publisher_id=[1]), "envelope publisher_id is an array, expected int"),
     (envelope_with(publisher_id={"a": 1}), "envelope publisher_id is a map, expected int"),
     (envelope_with(sequence="7"), "envelope sequence is a str, expected int"),
+    (envelope_with(publisher_id=b"\x01"), "envelope publisher_id is bytes, expected int"),
     (envelope_with(published_at=[1]), "envelope published_at is an array, expected number"),
     (envelope_with(published_at=1e22), "envelope published_at 1e+22 is not a time"),
     (envelope_with(published_at=float("nan")), "envelope published_at nan is not a time"),
