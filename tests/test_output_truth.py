@@ -8,12 +8,11 @@ import io
 import json
 
 import msgpack
-from click.testing import CliRunner
 from conftest import finish, run_kvctl, start_kvctl, stored
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from inprocess import run_main
 
-from kvctl.cli import cli
 from kvctl.events import Batch
 from kvctl.formats import decode_zmq
 from kvctl.formats.dynamo import encode_envelope, encode_event_plane, router_event
@@ -35,8 +34,8 @@ def write_recording(path, frames_list: list[list[bytes]]) -> None:
 
 def kvctl_in_process(*args: str) -> tuple[int, str]:
     """Exit code and stdout of one in-process kvctl run (stderr apart)."""
-    result = CliRunner().invoke(cli, list(args))
-    return result.exit_code, result.stdout
+    result = run_main(*args)
+    return result.code, result.out
 
 
 # --- pretty output escapes markup ------------------------------------------------------------

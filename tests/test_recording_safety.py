@@ -11,21 +11,17 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from inprocess import run_main
 
 from kvctl.formats import decode_zmq
 from kvctl.formats import engine_zmq as ez
 from kvctl.transports.files import RecordingWriter, open_recording
 
 
-def kvctl(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+def kvctl(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
     """Run the command line in-process, as a user types it: (exit code, stdout, stderr)."""
-    from kvctl.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return int(exited.value.code or 0), out, err
+    result = run_main(*map(str, args))
+    return result.code, result.out, result.err
 
 
 def engine_batches(first: int, count: int, recv_ns: int = 1_000) -> list:
