@@ -8,6 +8,7 @@ import io
 import json
 
 import msgpack
+import pytest
 from conftest import finish, run_kvctl, start_kvctl, stored
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -53,6 +54,18 @@ def test_cat_pretty_hex_hashes_appear(tmp_path):
     assert "· 1 event\n" in out  # the batch header counts in English
 
 
+
+
+@pytest.mark.parametrize("command", ["stats", "top", "check"])
+def test_a_producers_type_that_looks_like_markup_is_shown_literally(tmp_path, command):
+    """Event types are the producer's text: on stderr (summary, findings) they are shown as
+    sent, never parsed as rich markup (a stray closing tag crashed the summary line)."""
+    path = tmp_path / "run.parquet"
+    write_recording(path, [encode_frames(b"", 0, encode_payload(
+        [{"type": "[/oops]", "block_hashes": [1]}], 1.0, 0))])
+    result = run_main(command, str(path))
+    assert result.code == 0, result.err
+    assert "Traceback" not in result.err and "([/oops] 1)" in result.err, result.err
 
 
 def test_tap_pretty_hex_hashes_appear(engine):
