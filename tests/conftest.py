@@ -137,6 +137,31 @@ class NatsServer:
             self.proc.wait()
 
 
+def publish(url: str, messages: list[tuple[str, bytes]], stream: str | None = None) -> None:
+    """Publish ``(subject, data)`` pairs to a NATS server, in order, then flush (bounded to
+    10 s). With ``stream``, through JetStream into that stream (created over their subjects)."""
+    import asyncio
+
+    import nats
+
+    async def send() -> None:
+        nc = await nats.connect(url)
+        try:
+            if stream:
+                js = nc.jetstream()
+                await js.add_stream(name=stream, subjects=sorted({s for s, _ in messages}))
+                for subject, data in messages:
+                    await js.publish(subject, data)
+            else:
+                for subject, data in messages:
+                    await nc.publish(subject, data)
+                await nc.flush()
+        finally:
+            await nc.close()
+
+    asyncio.run(asyncio.wait_for(send(), 10))
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory):
     server = NatsServer(tmp_path_factory.mktemp("nats-store"))
