@@ -62,6 +62,17 @@ def _environment_variable(exc: click.ClickException) -> str | None:
     return envvar_of(exc.param, exc.ctx, set_only=True)
 
 
+_HELP_ASKED = getattr(click.exceptions, "NoArgsIsHelpError", ())
+"""click >= 8.2 raises this for a bare group: its message is the whole help."""
+
+
+def _usage_line(exc: click.ClickException) -> str:
+    """click's message on one line, pointing at the help of the command it is about."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    command = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx else None
+    return f"{message} (see '{command} --help')" if command else message
+
+
 def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -77,8 +88,10 @@ def main(argv: list[str] | None = None) -> None:
         variable = _environment_variable(exc)
         if variable:  # the user typed no option: name the variable they set, on one line
             print(f"kvctl: {variable}: {exc.message.rstrip('.')}", file=sys.stderr)
-        else:
+        elif isinstance(exc, _HELP_ASKED):  # bare `kvctl`: the help is the answer
             exc.show()
+        else:  # one line that says it is kvctl's, as every other diagnostic does
+            print(f"kvctl: {_usage_line(exc)}", file=sys.stderr)
         code = ExitCode.USAGE if isinstance(exc, click.UsageError) else ExitCode.ERROR
     except click.exceptions.Abort:
         code = ExitCode.INTERRUPTED

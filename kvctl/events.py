@@ -139,7 +139,8 @@ _KINDS = {str: "a str", dict: "a map", list: "an array", float: "a float", bool:
           bytes: "bytes", int: "an int"}
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """A value's type as error messages name it: ``a str``, ``a map``, ``an array``, ``bytes``."""
     return _KINDS.get(type(value)) or f"a {type(value).__name__}"
 
 
@@ -158,17 +159,17 @@ def field_type_error(event: Event) -> str | None:
     hashes = get("block_hashes")
     if hashes is not None:
         if type(hashes) is not list:
-            return f"block_hashes is {_kind(hashes)}, expected an array of int or bytes"
+            return f"block_hashes is {kind_of(hashes)}, expected an array of int or bytes"
         if not _HASH_TYPES.issuperset(map(type, hashes)):
             bad = next(h for h in hashes if type(h) not in _HASH_TYPES)
-            return f"block_hashes holds {_kind(bad)}, expected int or bytes"
+            return f"block_hashes holds {kind_of(bad)}, expected int or bytes"
     parent = get("parent_block_hash")
     if parent is not None and type(parent) is not int and type(parent) is not bytes:
-        return f"parent_block_hash is {_kind(parent)}, expected int, bytes or nil"
+        return f"parent_block_hash is {kind_of(parent)}, expected int, bytes or nil"
     tokens = get("token_ids")
     if tokens is not None:
         if type(tokens) is not list:
-            return f"token_ids is {_kind(tokens)}, expected an array"
+            return f"token_ids is {kind_of(tokens)}, expected an array"
         try:
             plain = type(sum(tokens)) is int
         except TypeError:
@@ -179,23 +180,23 @@ def field_type_error(event: Event) -> str | None:
                 return problem
     value = get("block_size")
     if type(value) not in _INT_OR_NIL:
-        return f"block_size is {_kind(value)}, expected int or nil"
+        return f"block_size is {kind_of(value)}, expected int or nil"
     value = get("lora_id")
     if type(value) not in _INT_OR_NIL:
-        return f"lora_id is {_kind(value)}, expected int or nil"
+        return f"lora_id is {kind_of(value)}, expected int or nil"
     value = get("lora_name")
     if type(value) not in _STR_OR_NIL:
-        return f"lora_name is {_kind(value)}, expected a string or nil"
+        return f"lora_name is {kind_of(value)}, expected a string or nil"
     value = get("medium")
     if type(value) not in _STR_OR_NIL:
-        return f"medium is {_kind(value)}, expected a string or nil"
+        return f"medium is {kind_of(value)}, expected a string or nil"
     value = get("tokens_hashes")  # Dynamo: one u64 per block (null: that block sent none)
     if value is not None:
         if type(value) is not list:
-            return f"tokens_hashes is {_kind(value)}, expected an array of int"
+            return f"tokens_hashes is {kind_of(value)}, expected an array of int"
         for h in value:
             if h is not None and type(h) is not int:
-                return f"tokens_hashes holds {_kind(h)}, expected int"
+                return f"tokens_hashes holds {kind_of(h)}, expected int"
     if _CHECKED_KEYS.issuperset(event):  # vLLM/SGLang events: one C-level pass, done
         return None
     for key in event.keys() - _CHECKED_KEYS:  # Dynamo's extra fields: scalars, as a rule
@@ -255,6 +256,6 @@ def _token_error(tokens: list[Any]) -> str | None:
             continue
         if type(token) is list and token and all(type(t) is int for t in token):
             continue  # an EAGLE [a, b] pair
-        return (f"token_ids holds {_kind(token)}, expected int, an [int, int] pair, "
+        return (f"token_ids holds {kind_of(token)}, expected int, an [int, int] pair, "
                 "a string or a token map")
     return None

@@ -185,8 +185,8 @@ def _nats_lines(d: dict[str, Any]) -> list[tuple[str, str]]:
                   f"messages acked by stream {d['stream']} ({d['subject']})",
                   warn if d["failed"] or d["dropped"] else "")]
     else:
-        lines = [(f"Published: {d['published']:,} messages to {d['server']} ({d['subject']})",
-                  "")]
+        lines = [(f"Published: {plural(d['published'], 'message', thousands=True)} to "
+                  f"{d['server']} ({d['subject']})", "")]
     if d["outages"]:
         lines.append((f"Outages: the server was away {plural(d['outages'], 'time')}, "
                       f"{d['outage_s']:.1f} s in all; messages waited in kvctl's queue and were "

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -57,11 +59,42 @@ def finish(proc: subprocess.Popen, timeout: float = 20) -> tuple[int, str, str]:
 
 def read_line(stream, timeout: float = 15) -> str:
     """One line from a child's pipe, or AssertionError after ``timeout`` (never hangs)."""
-    import select
-
     ready, _, _ = select.select([stream], [], [], timeout)
     assert ready, f"no output within {timeout}s"
     return stream.readline().decode()
+
+
+_unread: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""A child's pipe -> bytes read past the last line returned."""
+
+
+def read_until(stream, text: str, timeout: float = 15) -> list[str]:
+    """Lines of a child's pipe up to and including the first one containing ``text``.
+
+    Reads the descriptor itself: a buffered readline may take in several lines at once, and a
+    select() after it would then wait for lines already read."""
+    fd = stream.fileno()
+    data = _unread.pop(stream, b"")
+    deadline = time.monotonic() + timeout
+    lines: list[str] = []
+    while True:
+        while b"\n" in data:
+            line, data = data.split(b"\n", 1)
+            lines.append(line.decode() + "\n")
+            if text in lines[-1]:
+                _unread[stream] = data
+                return lines
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"no {text!r} within {timeout}s; got {lines}"
+        chunk = os.read(fd, 65536)
+        assert chunk, f"pipe closed before {text!r}; got {lines}"
+        data += chunk
+
+
+def rest_of(proc, timeout: float = 20) -> tuple[int, str, str]:
+    """:func:`finish`, with the stderr that :func:`read_until` read past put back in front."""
+    rc, out, err = finish(proc, timeout)
+    return rc, out, _unread.pop(proc.stderr, b"").decode() + err
 
 
 def interrupt(proc: subprocess.Popen) -> None:
@@ -102,6 +135,31 @@ class NatsServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def publish(url: str, messages: list[tuple[str, bytes]], stream: str | None = None) -> None:
+    """Publish ``(subject, data)`` pairs to a NATS server, in order, then flush (bounded to
+    10 s). With ``stream``, through JetStream into that stream (created over their subjects)."""
+    import asyncio
+
+    import nats
+
+    async def send() -> None:
+        nc = await nats.connect(url)
+        try:
+            if stream:
+                js = nc.jetstream()
+                await js.add_stream(name=stream, subjects=sorted({s for s, _ in messages}))
+                for subject, data in messages:
+                    await js.publish(subject, data)
+            else:
+                for subject, data in messages:
+                    await nc.publish(subject, data)
+                await nc.flush()
+        finally:
+            await nc.close()
+
+    asyncio.run(asyncio.wait_for(send(), 10))
 
 
 @pytest.fixture(scope="session")

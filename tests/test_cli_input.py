@@ -104,3 +104,22 @@ def test_bash_completion_completes_lazy_subcommands_and_options(tmp_path):
     assert "--idle-timeout" in complete("kvctl", "tap", "--id")
     assert complete("kvctl", "tap", "--type", "") == ["blockstored", "blockremoved",
                                                       "allblockscleared"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["tap", "tcp://127.0.0.1:1", "-c", "abc"], "Invalid value for '-c' / '--count'"),
+    (["tap", "--no-such-option"], "No such option '--no-such-option'"),
+    (["tap"], "Missing argument 'SOURCE...'"),
+    (["no-such-command"], "No such command 'no-such-command'"),
+])
+def test_usage_error_is_one_kvctl_line(args, message):
+    """Like every other diagnostic: one line starting ``kvctl: ``, naming the help to read."""
+    result = run_main(*args)
+    assert result.code == 2
+    assert result.err.splitlines() == [result.err.strip()], result.err  # one line
+    assert result.err.startswith(f"kvctl: {message}") and "--help" in result.err, result.err
+
+
+def test_bare_kvctl_shows_the_help():
+    result = run_main()
+    assert result.code == 2 and "Commands:" in result.err and "tap" in result.err

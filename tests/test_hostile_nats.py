@@ -9,15 +9,13 @@ through ``tap``, ``record`` (then ``cat`` and ``check`` of the recording) and li
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections import Counter
 from pathlib import Path
 
 import msgpack
-import nats
 import pytest
-from conftest import finish, read_line, start_kvctl
+from conftest import finish, publish, read_line, start_kvctl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from inprocess import run_main
@@ -200,6 +198,7 @@ def test_any_envelope_on_the_zmq_event_plane(envelope, publisher_id, sequence):
     (envelope_with(publisher_id=[1]), "envelope publisher_id is an array, expected int"),
     (envelope_with(publisher_id={"a": 1}), "envelope publisher_id is a map, expected int"),
     (envelope_with(sequence="7"), "envelope sequence is a str, expected int"),
+    (envelope_with(publisher_id=b"\x01"), "envelope publisher_id is bytes, expected int"),
     (envelope_with(published_at=[1]), "envelope published_at is an array, expected number"),
     (envelope_with(published_at=1e22), "envelope published_at 1e+22 is not a time"),
     (envelope_with(published_at=float("nan")), "envelope published_at nan is not a time"),
@@ -255,20 +254,6 @@ def interleaved() -> list[tuple[str, bytes]]:
     for good, bad in zip(valid, HOSTILE, strict=True):
         out += [(ENVELOPE_SUBJECT, bad), (ENVELOPE_SUBJECT, good)]
     return out
-
-
-async def _publish(url: str, messages: list[tuple[str, bytes]]) -> None:
-    nc = await nats.connect(url)
-    try:
-        for subject, data in messages:
-            await nc.publish(subject, data)
-        await nc.flush()
-    finally:
-        await nc.close()
-
-
-def publish(url: str, messages: list[tuple[str, bytes]]) -> None:
-    asyncio.run(asyncio.wait_for(_publish(url, messages), 10))
 
 
 def run_live(*args: str, url: str, ready: str) -> tuple[int, str, str]:

@@ -8,12 +8,12 @@ import io
 import json
 
 import msgpack
-from click.testing import CliRunner
+import pytest
 from conftest import finish, run_kvctl, start_kvctl, stored
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from inprocess import run_main
 
-from kvctl.cli import cli
 from kvctl.events import Batch
 from kvctl.formats import decode_zmq
 from kvctl.formats.dynamo import encode_envelope, encode_event_plane, router_event
@@ -35,8 +35,8 @@ def write_recording(path, frames_list: list[list[bytes]]) -> None:
 
 def kvctl_in_process(*args: str) -> tuple[int, str]:
     """Exit code and stdout of one in-process kvctl run (stderr apart)."""
-    result = CliRunner().invoke(cli, list(args))
-    return result.exit_code, result.stdout
+    result = run_main(*args)
+    return result.code, result.out
 
 
 # --- pretty output escapes markup ------------------------------------------------------------
@@ -54,6 +54,18 @@ def test_cat_pretty_hex_hashes_appear(tmp_path):
     assert "· 1 event\n" in out  # the batch header counts in English
 
 
+
+
+@pytest.mark.parametrize("command", ["stats", "top", "check"])
+def test_a_producers_type_that_looks_like_markup_is_shown_literally(tmp_path, command):
+    """Event types are the producer's text: on stderr (summary, findings) they are shown as
+    sent, never parsed as rich markup (a stray closing tag crashed the summary line)."""
+    path = tmp_path / "run.parquet"
+    write_recording(path, [encode_frames(b"", 0, encode_payload(
+        [{"type": "[/oops]", "block_hashes": [1]}], 1.0, 0))])
+    result = run_main(command, str(path))
+    assert result.code == 0, result.err
+    assert "Traceback" not in result.err and "([/oops] 1)" in result.err, result.err
 
 
 def test_tap_pretty_hex_hashes_appear(engine):

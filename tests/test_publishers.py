@@ -216,6 +216,14 @@ def test_jetstream_acks_are_counted(guarded_nats, recording):
     assert f"JetStream: {events} of {events} messages acked by stream {stream}" in result.err
 
 
+def test_one_message_published_is_singular(guarded_nats, tmp_path):
+    path = tmp_path / "one.parquet"
+    make_recording(path, batches=1)
+    result = run_main("replay", str(path), "--to", guarded_nats.url, "--topspeed", *CREDENTIALS)
+    assert result.code == 0, result.err
+    assert "Published: 1 message to nats://" in result.err, result.err
+
+
 def test_simulate_recording_keeps_no_secret_from_its_command_line(tmp_path):
     import pyarrow.parquet as pq
     from conftest import run_kvctl

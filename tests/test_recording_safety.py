@@ -11,21 +11,17 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from inprocess import run_main
 
 from kvctl.formats import decode_zmq
 from kvctl.formats import engine_zmq as ez
 from kvctl.transports.files import RecordingWriter, open_recording
 
 
-def kvctl(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+def kvctl(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
     """Run the command line in-process, as a user types it: (exit code, stdout, stderr)."""
-    from kvctl.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return int(exited.value.code or 0), out, err
+    result = run_main(*map(str, args))
+    return result.code, result.out, result.err
 
 
 def engine_batches(first: int, count: int, recv_ns: int = 1_000) -> list:
@@ -328,3 +324,12 @@ def test_a_doctored_row_is_one_line_not_a_traceback(tmp_path, capsys):
         code, out, err = kvctl(capsys, *args)
         assert code == 1 and "Traceback" not in err, (args, err)
         assert sum("damaged recording" in line for line in err.splitlines()) == 1, (args, err)
+
+
+def test_recover_quiet_says_nothing_but_errors(tmp_path, capsys):
+    path = tmp_path / "x.parquet"
+    leave_journal(path, 0, 3)
+    assert kvctl(capsys, "recover", path, "-q") == (0, "", "")
+    assert seqs(path) == [0, 1, 2]
+    code, _, err = kvctl(capsys, "recover", tmp_path / "none.parquet", "-q")
+    assert code == 1 and err.startswith("kvctl: "), err

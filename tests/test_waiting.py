@@ -6,11 +6,8 @@ what a user sees on stderr and how the process ends."""
 from __future__ import annotations
 
 import json
-import os
-import select
 import signal
 import time
-import weakref
 
 import pytest
 from conftest import (
@@ -19,7 +16,9 @@ from conftest import (
     finish,
     free_port,
     read_line,
+    read_until,
     removed,
+    rest_of,
     run_kvctl,
     start_kvctl,
 )
@@ -33,39 +32,6 @@ def dead_zmq() -> str:
 
 def dead_nats() -> str:
     return f"nats://127.0.0.1:{free_port()}"
-
-
-_unread: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""A child's pipe -> bytes read past the last line returned."""
-
-
-def read_until(stream, text: str, timeout: float = 15) -> list[str]:
-    """Lines of a child's pipe up to and including the first one containing ``text``.
-
-    Reads the descriptor itself: a buffered readline may take in several lines at once, and a
-    select() after it would then wait for lines already read."""
-    fd = stream.fileno()
-    data = _unread.pop(stream, b"")
-    deadline = time.monotonic() + timeout
-    lines: list[str] = []
-    while True:
-        while b"\n" in data:
-            line, data = data.split(b"\n", 1)
-            lines.append(line.decode() + "\n")
-            if text in lines[-1]:
-                _unread[stream] = data
-                return lines
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        assert ready, f"no {text!r} within {timeout}s; got {lines}"
-        chunk = os.read(fd, 65536)
-        assert chunk, f"pipe closed before {text!r}; got {lines}"
-        data += chunk
-
-
-def rest_of(proc, timeout: float = 20) -> tuple[int, str, str]:
-    """:func:`finish`, with the stderr that :func:`read_until` read past put back in front."""
-    rc, out, err = finish(proc, timeout)
-    return rc, out, _unread.pop(proc.stderr, b"").decode() + err
 
 
 def test_tap_waits_for_a_publisher_that_binds_later():

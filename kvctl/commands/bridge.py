@@ -16,7 +16,7 @@ from ..options import (
     source_arguments,
 )
 from ..publishing import linger, make_report, open_target, print_report, with_target_options
-from ..redact import redact_url
+from ..redact import redact_url, shown_sources
 from ..text import plural
 
 
@@ -55,8 +55,8 @@ def command(**params: Any) -> None:
             while not target.wait_subscribers(params["wait_subscribers"], 0.2):
                 pass
         source = open_source(params["sources"], **connection_kwargs(params))
-        shown = ", ".join(map(redact_url, params["sources"]))
-        diagnostics.say(f"kvctl: bridging {shown} -> {redact_url(params['to'])}", "dim")
+        diagnostics.say(f"kvctl: bridging {shown_sources(params['sources'])} -> "
+                        f"{redact_url(params['to'])}", "dim")
         run(source, sender, make_limits(params), make_filters(params),
             _Forwarding(diagnostics, sender), summary=summary)
         linger(target, params["linger"])

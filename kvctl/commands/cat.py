@@ -22,7 +22,7 @@ def command(**params: object) -> None:
     \b
     Example:
       kvctl cat run.parquet
-      kvctl cat run.parquet --json --type BlockRemoved | jq .block_hashes
+      kvctl cat run.parquet --json --hash-format string --type BlockRemoved | jq .block_hashes
       kvctl cat segments/ -c 20 --worker 3
     """
     stream(params)

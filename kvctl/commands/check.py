@@ -114,10 +114,10 @@ def command(**params: Any) -> None:
           --idle-timeout 30 --json > report.json
       kvctl check nats://127.0.0.1:4222 --num-blocks 8192 --fail-on warning -c 100000
     """
-    from rich.console import Console
+    from ..output import StderrDiagnostics
 
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
     quiet = params["quiet"]
+    diagnostics = StderrDiagnostics(quiet=quiet)  # literal text: names and types are data
     max_examples = params["max_examples"]
     checker = Checker(block_size=params["block_size"], num_blocks=params["num_blocks"],
                       expect_workers=params["expect_workers"], max_examples=max_examples)
@@ -127,15 +127,13 @@ def command(**params: Any) -> None:
     def say(findings: list[Finding]) -> None:
         if quiet:
             return
-        from rich.markup import escape
-
         for f in findings:
-            style = _SEVERITY_STYLE.get(f.severity, "")
-            err.print(f"[{style}]kvctl: {escape(finding_line(f))}[/]")
+            diagnostics.say(f"kvctl: {finding_line(f)}", _SEVERITY_STYLE.get(f.severity, ""))
             res = checker.results.get(f.rule)
             if res is not None and res.count >= max_examples and f.rule not in announced:
                 announced.add(f.rule)
-                err.print(f"[dim]kvctl: {f.rule}: further findings are counted, not printed[/]")
+                diagnostics.say(f"kvctl: {f.rule}: further findings are counted, not printed",
+                                "dim")
 
     def consume(batch: Batch) -> None:
         found = checker.feed(batch)
@@ -156,13 +154,10 @@ def command(**params: Any) -> None:
         return True
 
     def on_open(source: Any) -> None:
-        from rich.markup import escape
-
         nonlocal started
         started = time.monotonic()  # --idle-timeout counts from the start, like the pipeline's
         addresses.extend(live_addresses(source, params["sources"]))
-        if not quiet:
-            err.print(f"[dim]kvctl: checking {escape(shown_sources(params['sources']))}[/]")
+        diagnostics.say(f"kvctl: checking {shown_sources(params['sources'])}", "dim")
 
     interrupted = False
     try:
@@ -183,8 +178,7 @@ def command(**params: Any) -> None:
         print_report(report, summary, fail, console(soft_wrap=True))
     if interrupted:
         raise Interrupted(summary.line(), params["quiet"])
-    if not quiet:
-        err.print(f"[dim]kvctl: {summary.line()}[/]")
+    diagnostics.say(f"kvctl: {summary.line()}", "dim")
     if fail:
         raise click.exceptions.Exit(int(ExitCode.FINDINGS))
 

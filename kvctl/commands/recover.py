@@ -15,7 +15,8 @@ from ..text import plural
                    "own recording path, e.g. when that path already holds another recording.")
 @click.option("--json", "as_json", is_flag=True, help="Print the recovered recording's summary "
                                                       "as one JSON object.")
-def command(path: str, output: str | None, as_json: bool) -> None:
+@click.option("-q", "--quiet", is_flag=True, help="No summary on stderr (errors excepted).")
+def command(path: str, output: str | None, as_json: bool, quiet: bool) -> None:
     """Convert the journal of a recorder that was killed (kill -9, power loss) to Parquet.
 
     PATH is the journal (run.parquet.journal), the recording path it belongs to (run.parquet),
@@ -56,7 +57,7 @@ def command(path: str, output: str | None, as_json: bool) -> None:
         raise TransportError(f"{path}: cannot recover: {exc}") from None
     if as_json:
         click.echo(dumps({"path": str(recovered), **info}))
-    else:
+    elif not quiet:
         click.echo(f"kvctl: recovered {recovered}: {plural(info.get('batches', 0), 'batch')}, "
                    f"{plural(info.get('events', 0), 'event')}, {info.get('malformed', 0)} "
                    "malformed",

@@ -176,23 +176,19 @@ def command(**params: Any) -> None:
       kvctl stats run.parquet --num-blocks 4096 --plot charts/
       kvctl stats nats://127.0.0.1:4222 -c 100000 --json | jq .reuse
     """
-    from rich.console import Console
-
+    from ..output import StderrDiagnostics
     from ..stats import StatsCollector
 
     if params["plot_dir"]:
         from ..plots import require_matplotlib
 
         require_matplotlib()  # before a capture that may take minutes
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
     quiet = params["quiet"]
+    diagnostics = StderrDiagnostics(quiet=quiet)  # literal text: names and types are data
     collector = StatsCollector(bucket_s=params["interval"])
 
     def on_open(source: Any) -> None:
-        from rich.markup import escape
-
-        if not quiet:
-            err.print(f"[dim]kvctl: reading {escape(shown_sources(params['sources']))}[/]")
+        diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
 
     interrupted = False
     try:
@@ -211,9 +207,7 @@ def command(**params: Any) -> None:
         from ..plots import write_plots
 
         written = write_plots(result, params["plot_dir"], capacity=params["num_blocks"])
-        if not quiet:
-            err.print(f"[dim]kvctl: wrote {', '.join(str(p) for p in written)}[/]")
+        diagnostics.say(f"kvctl: wrote {', '.join(str(p) for p in written)}", "dim")
     if interrupted:
         raise Interrupted(summary.line(), params["quiet"])
-    if not quiet:
-        err.print(f"[dim]kvctl: {summary.line()}[/]")
+    diagnostics.say(f"kvctl: {summary.line()}", "dim")

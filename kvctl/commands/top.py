@@ -256,8 +256,10 @@ def command(**params: Any) -> None:
     """
     from rich.console import Console
 
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    from ..output import StderrDiagnostics
+
     quiet = params["quiet"]
+    diagnostics = StderrDiagnostics(quiet=quiet)  # literal text: names and types are data
     as_json = params["as_json"]
     refresh = params["refresh"]
     sort_names = list(SORT_KEYS)
@@ -325,10 +327,8 @@ def command(**params: Any) -> None:
         return tick
 
     def on_open(source: Any) -> None:
-        from rich.markup import escape
-
-        if not quiet and not interactive:
-            err.print(f"[dim]kvctl: reading {escape(shown_sources(params['sources']))}[/]")
+        if not interactive:
+            diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
 
     interrupted = False
     summary = live_summary
@@ -356,5 +356,4 @@ def command(**params: Any) -> None:
         summary.stopped_by = "q"
     if interrupted:
         raise Interrupted(summary.line(), params["quiet"])
-    if not quiet:
-        err.print(f"[dim]kvctl: {summary.line()}[/]")
+    diagnostics.say(f"kvctl: {summary.line()}", "dim")

@@ -32,6 +32,7 @@ from ..events import (
     TS_RANGE,
     Event,
     field_type_error,
+    kind_of,
 )
 from .engine_zmq import to_unsigned, unpack
 
@@ -173,18 +174,10 @@ def _router_events(objs: list[Any]) -> list[Event]:
                                     and type(event["dp_rank"]) in _INT_OR_NIL
                                     and type(event["event_id"]) in _INT_OR_NIL):
             key = next(k for k in _ROUTER_INTS if type(event[k]) not in _INT_OR_NIL)
-            problem = f"{key} is {_kind(event[key])}, expected int or nil"
+            problem = f"{key} is {kind_of(event[key])}, expected int or nil"
         if problem is not None:
             raise DecodeError(f"event {i} ({event['type']}): {problem}")
     return events
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "a map"
-    return f"a {type(value).__name__}"
 
 
 _NUMBER_OR_NIL = frozenset({int, float, type(None)})
@@ -215,7 +208,7 @@ def decode_envelope(payload: bytes) -> tuple[dict[str, Any], list[Event]]:
         for key, types, expected in _ENVELOPE_HEADER:
             value = get(key)
             if type(value) not in types:
-                raise DecodeError(f"envelope {key} is {_kind(value)}, expected {expected}"
+                raise DecodeError(f"envelope {key} is {kind_of(value)}, expected {expected}"
                                   " or nil")
     published_at = get("published_at")
     if published_at is not None and not _PUBLISHED_AT_MIN <= published_at <= _PUBLISHED_AT_MAX:
