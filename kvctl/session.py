@@ -13,6 +13,7 @@ from .events import Batch, Event
 from .options import connection_kwargs
 from .output import JsonLinesSink, PrettySink, StderrDiagnostics
 from .pipeline import Filters, Limits, LiveSource, RecordingSource, SourceSpec, Summary, run
+from .redact import shown_sources
 
 
 class Interrupted(KvctlError):
@@ -60,7 +61,7 @@ def stream(params: dict[str, Any], connection: dict[str, Any] | None = None,
     source = open_source(params["sources"], **(connection or {}))
     summary = Summary()
     try:  # a signal right after the "reading" line still gets the summary
-        diagnostics.say(f"kvctl: reading {', '.join(params['sources'])}", "dim")
+        diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
         run(source, sink, make_limits(params), make_filters(params), diagnostics,
             strict=params.get("strict", False), summary=summary, on_batch=on_batch)
     except KeyboardInterrupt:

@@ -79,7 +79,7 @@ def test_without_the_credentials_one_line_and_exit_1(guarded_nats, recording, co
     result = run_main(*args, "--to", guarded_nats.url, *credentials)
     assert result.code == 1, result.err
     assert result.err.count("\n") == 1, result.err
-    assert "Authorization Violation" in result.err
+    assert "authorization violation (see --nats-user" in result.err
     assert "wrong" not in result.err
 
 

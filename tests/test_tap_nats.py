@@ -9,8 +9,7 @@ import time
 import msgpack
 import nats
 import pytest
-from conftest import free_port, read_line, run_kvctl, start_kvctl
-from test_waiting import read_until, rest_of
+from conftest import free_port, publish, read_line, read_until, rest_of, run_kvctl, start_kvctl
 
 from kvctl.formats.dynamo import encode_envelope, encode_json, router_event, tokens_hash
 
@@ -19,26 +18,6 @@ def wait_ready(proc) -> None:
     """tap has subscribed (with the server up, the "reading" line comes after that)."""
     line = read_line(proc.stderr)
     assert line.startswith("kvctl: reading"), line
-
-
-async def _publish(url: str, messages, stream: str | None = None) -> None:
-    nc = await nats.connect(url)
-    try:
-        if stream:
-            js = nc.jetstream()
-            await js.add_stream(name=stream, subjects=sorted({s for s, _ in messages}))
-            for subject, data in messages:
-                await js.publish(subject, data)
-        else:
-            for subject, data in messages:
-                await nc.publish(subject, data)
-            await nc.flush()
-    finally:
-        await nc.close()
-
-
-def publish(url, messages, stream=None) -> None:
-    asyncio.run(asyncio.wait_for(_publish(url, messages, stream), 10))
 
 
 STORED = {"type": "BlockStored", "block_hashes": [2**64 - 2, 5], "parent_block_hash": None,

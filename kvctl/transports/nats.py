@@ -561,7 +561,7 @@ class Publisher:
         logging.getLogger("asyncio").setLevel(logging.ERROR)
 
         async def on_error(exc: Exception) -> None:
-            errors.append(str(exc) or type(exc).__name__)
+            errors.append(describe(exc))
 
         async def on_disconnected() -> None:
             if self._disconnecting:
@@ -592,7 +592,7 @@ class Publisher:
         except Exception as exc:
             # nats-py's own exception after a refused login is a bare "no servers available":
             # the error callback heard the reason (authorization violation, TLS, ...)
-            reason = errors[0] if errors else (str(exc) or type(exc).__name__)
+            reason = errors[0] if errors else describe(exc)
             self._error = self._fail(f"cannot connect to NATS: {reason}")
             return
         self._connected.set()
