@@ -10,7 +10,7 @@ import time
 
 import nats
 import pytest
-from conftest import NatsServer, finish, run_kvctl, start_kvctl
+from conftest import NatsServer, finish, free_port, run_kvctl, start_kvctl
 from test_cmd_replay import make_recording, rows_of
 
 OUTAGE_S = 4.0  # longer than nats-py's default reconnect budget (5 tries, 0.5 s apart)
@@ -150,3 +150,26 @@ def test_server_gone_at_the_end_is_counted_as_dropped(tmp_path, store):
     assert delivery["dropped"] > 0 and "unreachable when the run ended" in delivery["drop_reason"]
     report = json.loads(out)
     assert delivery["acked"] + delivery["dropped"] + delivery["failed"] == report["events"]
+
+
+def test_bridge_into_jetstream_survives_an_outage_and_loses_nothing(tmp_path, store):
+    """Engine ZMQ -> bridge -> Dynamo on JetStream, the server killed mid-run for 4 s."""
+    path = tmp_path / "run.parquet"
+    events = sum(len(b.events) for b in make_recording(path, batches=400))
+    engine = f"tcp://127.0.0.1:{free_port()}"
+    server = NatsServer(store)
+    try:
+        bridge = start_kvctl("bridge", engine, "--to", server.url, "--format", "dynamo-json",
+                             "--namespace", "br", "--idle-timeout", "3", "--json")
+        replay = start_kvctl("replay", str(path), "--to", engine, "--rate", "50",
+                             "--wait-subscribers", "1", "-q")
+        wait_until_stored(server.url, "namespace-br-component-backend-kv-events", 20)
+        server = outage(server, store, OUTAGE_S)
+        assert finish(replay, timeout=60)[0] == 0
+        rc, out, err = finish(bridge, timeout=90)
+        assert rc == 0, err
+        delivery = json.loads(out)["delivery"]
+        assert delivery["outages"] == 1 and delivery["dropped"] == delivery["failed"] == 0
+        assert delivery["acked"] == events == len(history(server.url, "br"))
+    finally:
+        server.stop()
