@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _stream import Bare, compare, free_port, realistic_payloads
+from _stream import PREQUEUED_QUEUE_BYTES, Bare, compare, free_port, realistic_payloads
 
 CLOSE_TIMES: list[float] = []
 RATIOS: list[float] = []
@@ -39,7 +39,7 @@ class Record:
         from kvctl.pipeline import LiveSource, SourceSpec
 
         self.endpoint = endpoint
-        self.source = LiveSource([SourceSpec.parse(endpoint)])
+        self.source = LiveSource([SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES)
 
     def consume(self, batches: int) -> tuple[float, int]:
         from kvctl.commands.record import RecordingSink, _labels
@@ -89,7 +89,7 @@ def _recorder(endpoint: str, out: str, total_events: int, report) -> None:
     from kvctl.pipeline import Limits, LiveSource, SourceSpec, run
     from kvctl.transports.files import RecordingWriter
 
-    source = LiveSource([SourceSpec.parse(endpoint)])
+    source = LiveSource([SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES)
     writer = RecordingWriter(out, labels=_labels([endpoint]))
     writer.converter_ready()
     report.put(("ready", None))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _stream import Bare, compare, realistic_payloads
+from _stream import PREQUEUED_QUEUE_BYTES, Bare, compare, realistic_payloads
 
 
 class Tap:
@@ -22,7 +22,7 @@ class Tap:
     def connect(self, endpoint: str) -> None:
         from kvctl.pipeline import LiveSource, SourceSpec
 
-        self.source = LiveSource([SourceSpec.parse(endpoint)])
+        self.source = LiveSource([SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES)
 
     def consume(self, batches: int) -> tuple[float, int]:
         from kvctl.output import JsonLinesSink
