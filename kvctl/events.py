@@ -89,7 +89,8 @@ class Batch:
     recovered: bool = False
     """Fetched from the engine's replay socket to fill a sequence gap."""
     publisher: Any = None
-    """Key that a sequence number counts within (one ZMQ socket, one Dynamo publisher_id)."""
+    """Key that a sequence number counts within (one ZMQ socket, one Dynamo publisher_id).
+    Always hashable: the decoders refuse a publisher_id that is not an int."""
 
     @property
     def malformed(self) -> bool:

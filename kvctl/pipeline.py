@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from .errors import StrictModeError, TransportError, UsageError
 from .events import Batch, Event
 from .formats import decode_nats, decode_zmq
+from .text import plural
 
 DRAIN_LIMIT = 512  # messages taken from one socket before the others get their turn
 
@@ -118,8 +119,6 @@ class Summary:
         }
 
     def line(self) -> str:
-        from .text import plural
-
         by_type = ", ".join(f"{k} {v}" for k, v in sorted(self.events.items())) or "none"
         text = (f"{plural(self.total_events, 'event')} ({by_type}) in "
                 f"{plural(self.batches, 'batch')} from "
@@ -200,10 +199,7 @@ class SeqTracker:
         return None
 
     def _malformed(self, key: Any, seq: int) -> None:
-        try:
-            expected = self.next_seq.get(key)
-        except TypeError:  # an unhashable publisher (a hostile Dynamo envelope)
-            return
+        expected = self.next_seq.get(key)
         if expected is not None and seq == expected:
             self.next_seq[key] = seq + 1
         elif expected is not None and seq < expected and self.fill(key, seq):

@@ -227,10 +227,7 @@ class RecordingSink:
 
     def malformed(self, batch: Any) -> None:
         if type(batch.seq) is int:
-            try:
-                seqs = self.malformed_seqs.setdefault(batch.publisher, set())
-            except TypeError:  # an unhashable publisher (a hostile Dynamo envelope)
-                seqs = set()
+            seqs = self.malformed_seqs.setdefault(batch.publisher, set())
             seqs.add(batch.seq)
             if len(seqs) > 4096:  # a stream of nothing but malformed messages: stay bounded
                 keep = sorted(seqs)[-2048:]
@@ -240,20 +237,13 @@ class RecordingSink:
             self.writer.write_message(batch)
         else:
             self.writer.write(batch)
-        if type(batch.source) is str and "@" in batch.source:  # never echo a password
-            from ..redact import redact_url
-
-            batch = dataclasses.replace(batch, source=redact_url(batch.source))
-        self.shown.malformed(batch)
+        self.shown.malformed(batch)  # its lines are redacted: no password is echoed
 
     def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None:
         """One Gap row per run of seqs the replay socket could not fill. A batch that arrives
         later still is recorded too (the reader then sees it as a late arrival)."""
         arrived = {s for s in recovered if expected <= s < got}
-        try:
-            malformed = self.malformed_seqs.pop(publisher, set())
-        except TypeError:  # unhashable publisher
-            malformed = set()
+        malformed = self.malformed_seqs.pop(publisher, set())
         # A malformed message's seq arrived (its row is Malformed): not also a Gap row.
         arrived.update(s for s in malformed if expected <= s < got)
         start = expected

@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 
 from ..errors import TransportError, UsageError
+from ..redact import redact_url
 from .zmq import DEFAULT_QUEUE_BYTES, context
 
 # Subjects of every Dynamo era (see the wire-format reference, section 2).
@@ -438,8 +439,6 @@ class Publisher:
     def __init__(self, server: str, options: NatsOptions | None = None,
                  buffer_bytes: int = BUFFER_BYTES,
                  notify: Callable[[str], None] | None = None) -> None:
-        from ..redact import redact_url
-
         if not server.startswith(("nats://", "tls://")):
             raise UsageError(f"{redact_url(server)}: not a NATS URL (nats://HOST:PORT)")
         self.server = server
@@ -528,8 +527,6 @@ class Publisher:
             raise TransportError(self._error)
 
     def _fail(self, reason: str) -> str:
-        from ..redact import redact_url
-
         return f"{self.shown}: {redact_url(reason)}"
 
     def _say(self, line: str) -> None:
