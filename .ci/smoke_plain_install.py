@@ -60,19 +60,22 @@ def start(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([*KVCTL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def finish(proc: subprocess.Popen[bytes], what: str, expect_rc: int = 0,
-           timeout: float = STEP_TIMEOUT) -> tuple[bytes, bytes]:
+def finish(
+    proc: subprocess.Popen[bytes], what: str, expect_rc: int = 0, timeout: float = STEP_TIMEOUT
+) -> tuple[bytes, bytes]:
     """Wait for a kvctl process; fail on a timeout, another exit code or a traceback."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        raise StepFailed(f"{what}: still running after {timeout:.0f} s; stderr: "
-                         f"{tail(err)}") from None
+        raise StepFailed(
+            f"{what}: still running after {timeout:.0f} s; stderr: {tail(err)}"
+        ) from None
     if proc.returncode != expect_rc:
-        raise StepFailed(f"{what}: exit {proc.returncode}, expected {expect_rc}; stderr: "
-                         f"{tail(err)}")
+        raise StepFailed(
+            f"{what}: exit {proc.returncode}, expected {expect_rc}; stderr: {tail(err)}"
+        )
     if b"Traceback" in err:
         raise StepFailed(f"{what}: traceback on stderr: {tail(err)}")
     return out, err
@@ -116,8 +119,19 @@ class Smoke:
         print(f"ok   {name} ({time.monotonic() - began:.1f} s): {detail}", flush=True)
 
     def help_pages(self) -> str:
-        commands = ("tap", "record", "cat", "inspect", "recover", "replay", "bridge",
-                    "simulate", "check", "stats", "top")
+        commands = (
+            "tap",
+            "record",
+            "cat",
+            "inspect",
+            "recover",
+            "replay",
+            "bridge",
+            "simulate",
+            "check",
+            "stats",
+            "top",
+        )
         out, _ = run("--help")
         missing = [c for c in commands if c not in out.decode()]
         if missing:
@@ -129,8 +143,20 @@ class Smoke:
     # --- a recording, and every command that reads one ---
 
     def simulate_to_file(self) -> str:
-        run("simulate", "-o", self.rec, "--workers", "2", "--duration", "20", "--num-blocks",
-            "256", "--seed", "1", "-q")
+        run(
+            "simulate",
+            "-o",
+            self.rec,
+            "--workers",
+            "2",
+            "--duration",
+            "20",
+            "--num-blocks",
+            "256",
+            "--seed",
+            "1",
+            "-q",
+        )
         return f"{os.path.getsize(self.rec)} bytes"
 
     def tap_file(self) -> str:
@@ -201,10 +227,19 @@ class Smoke:
         port = free_port()
         path = self.dir / "live.parquet"
         journal = Path(str(path) + ".journal")
-        engine = start("simulate", "--base-port", str(port), "--workers", "1", "--duration",
-                       "600", "--wait-subscribers", "1", "-q")
-        recorder = start("record", endpoint(port), "-o", str(path), "--connect-timeout", "20",
-                         "-q")
+        engine = start(
+            "simulate",
+            "--base-port",
+            str(port),
+            "--workers",
+            "1",
+            "--duration",
+            "600",
+            "--wait-subscribers",
+            "1",
+            "-q",
+        )
+        recorder = start("record", endpoint(port), "-o", str(path), "--connect-timeout", "20", "-q")
         try:
             # readiness: the journal grows past its header (a flush of received events)
             deadline = time.monotonic() + 20
@@ -240,8 +275,16 @@ class Smoke:
     def replay_into_tap(self) -> str:
         port = free_port()
         tap = start("tap", endpoint(port), "--json", "-c", "40", "--connect-timeout", "20")
-        replay = start("replay", self.rec, "--to", endpoint(port), "--wait-subscribers", "1",
-                       "--topspeed", "-q")
+        replay = start(
+            "replay",
+            self.rec,
+            "--to",
+            endpoint(port),
+            "--wait-subscribers",
+            "1",
+            "--topspeed",
+            "-q",
+        )
         try:
             finish(replay, "replay")  # first: a replay that fails leaves tap waiting
             out, _ = finish(tap, "tap")
@@ -254,11 +297,33 @@ class Smoke:
 
     def bridge(self) -> str:
         upstream, downstream = free_port(), free_port()
-        engine = start("simulate", "--base-port", str(upstream), "--workers", "1",
-                       "--duration", "600", "--wait-subscribers", "1", "-q")
-        bridge = start("bridge", endpoint(upstream), "--to", endpoint(downstream),
-                       "--format", "vllm", "--wait-subscribers", "1", "--connect-timeout",
-                       "20", "--idle-timeout", "2", "-q")
+        engine = start(
+            "simulate",
+            "--base-port",
+            str(upstream),
+            "--workers",
+            "1",
+            "--duration",
+            "600",
+            "--wait-subscribers",
+            "1",
+            "-q",
+        )
+        bridge = start(
+            "bridge",
+            endpoint(upstream),
+            "--to",
+            endpoint(downstream),
+            "--format",
+            "vllm",
+            "--wait-subscribers",
+            "1",
+            "--connect-timeout",
+            "20",
+            "--idle-timeout",
+            "2",
+            "-q",
+        )
         tap = start("tap", endpoint(downstream), "--json", "-c", "20", "--connect-timeout", "20")
         try:
             out, _ = finish(tap, "tap")
@@ -275,8 +340,20 @@ class Smoke:
 
     def simulate_into_tap(self) -> str:
         port = free_port()
-        engine = start("simulate", "--base-port", str(port), "--workers", "1", "--requests",
-                       "3", "--speedup", "20", "--wait-subscribers", "1", "-q")
+        engine = start(
+            "simulate",
+            "--base-port",
+            str(port),
+            "--workers",
+            "1",
+            "--requests",
+            "3",
+            "--speedup",
+            "20",
+            "--wait-subscribers",
+            "1",
+            "-q",
+        )
         tap = start("tap", endpoint(port), "-c", "10", "--connect-timeout", "20")
         try:
             out, _ = finish(tap, "tap")
@@ -307,8 +384,10 @@ def main() -> int:
         smoke.step("replay into tap", smoke.replay_into_tap)
         smoke.step("bridge", smoke.bridge)
         smoke.step("simulate into tap", smoke.simulate_into_tap)
-    print(f"smoke: {smoke.passed} passed, {smoke.failed} failed "
-          f"({time.monotonic() - began:.0f} s)", flush=True)
+    print(
+        f"smoke: {smoke.passed} passed, {smoke.failed} failed ({time.monotonic() - began:.0f} s)",
+        flush=True,
+    )
     return 1 if smoke.failed else 0
 
 

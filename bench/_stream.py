@@ -30,15 +30,26 @@ def realistic_payloads(n: int, seed: int = 0) -> list[bytes]:
         events = []
         for _ in range(rng.randint(1, 4)):
             blocks = rng.randint(1, 8)
-            events.append({"type": "BlockStored",
-                           "block_hashes": [rng.getrandbits(64) for _ in range(blocks)],
-                           "parent_block_hash": rng.getrandbits(64), "block_size": 16,
-                           "token_ids": [rng.randrange(150_000) for _ in range(16 * blocks)],
-                           "lora_id": None, "medium": "GPU", "lora_name": None})
+            events.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [rng.getrandbits(64) for _ in range(blocks)],
+                    "parent_block_hash": rng.getrandbits(64),
+                    "block_size": 16,
+                    "token_ids": [rng.randrange(150_000) for _ in range(16 * blocks)],
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                }
+            )
         if rng.random() < 0.3:
-            events.append({"type": "BlockRemoved",
-                           "block_hashes": [rng.getrandbits(64) for _ in range(rng.randint(1, 8))],
-                           "medium": "GPU"})
+            events.append(
+                {
+                    "type": "BlockRemoved",
+                    "block_hashes": [rng.getrandbits(64) for _ in range(rng.randint(1, 8))],
+                    "medium": "GPU",
+                }
+            )
         payloads.append(encode_payload(events, time.time(), 0))
     return payloads
 
@@ -105,8 +116,9 @@ def timed_round(consumer, payloads: list[bytes]) -> tuple[float, int]:
     return result
 
 
-def compare(consumers: list, payloads: list[bytes], rounds: int,
-            report: Callable[[str], None] = print) -> dict[str, list[float]]:
+def compare(
+    consumers: list, payloads: list[bytes], rounds: int, report: Callable[[str], None] = print
+) -> dict[str, list[float]]:
     """Alternate the consumers for ``rounds`` rounds; print medians and the ratio to the first."""
     import statistics
 
@@ -114,12 +126,17 @@ def compare(consumers: list, payloads: list[bytes], rounds: int,
     events = 0
     for _ in range(rounds):
         for make in consumers:
-            elapsed, events = timed_round(make.fresh(), payloads) if hasattr(make, "fresh") \
+            elapsed, events = (
+                timed_round(make.fresh(), payloads)
+                if hasattr(make, "fresh")
                 else timed_round(type(make)(), payloads)
+            )
             rates[make.name].append(events / elapsed)
     raw = sum(map(len, payloads))
-    report(f"stream: {len(payloads)} batches, {events} events, {raw / len(payloads):.0f} B/batch;"
-           f" {rounds} rounds, medians")
+    report(
+        f"stream: {len(payloads)} batches, {events} events, {raw / len(payloads):.0f} B/batch;"
+        f" {rounds} rounds, medians"
+    )
     base = consumers[0].name
     for name, values in rates.items():
         med = statistics.median(values)

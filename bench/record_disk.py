@@ -67,7 +67,7 @@ class Workload:
         parent = None
         new: list[tuple[int, int | None, list[int]]] = []
         for i in range(len(prompt) // BLOCK):
-            toks = prompt[i * BLOCK:(i + 1) * BLOCK]
+            toks = prompt[i * BLOCK : (i + 1) * BLOCK]
             h = xxhash.xxh3_64_intdigest(repr((parent, toks)).encode())
             if h in self.cache:
                 self.cache.move_to_end(h)
@@ -80,7 +80,7 @@ class Workload:
             chunk, new = new[:k], new[k:]
             out.append(self.stored(chunk))
         # decode: one block per 16 generated tokens
-        tail = prompt[len(prompt) // BLOCK * BLOCK:]
+        tail = prompt[len(prompt) // BLOCK * BLOCK :]
         for _ in range(rnd.randint(0, 16)):
             toks = (tail + self.tokens(BLOCK))[:BLOCK]
             tail = []
@@ -100,10 +100,16 @@ class Workload:
     def stored(self, chunk: list[tuple[int, int | None, list[int]]]) -> dict:
         for h, _, _ in chunk:
             self.cache[h] = None
-        return {"type": "BlockStored", "block_hashes": [h for h, _, _ in chunk],
-                "parent_block_hash": chunk[0][1],
-                "token_ids": [t for _, _, toks in chunk for t in toks], "block_size": BLOCK,
-                "lora_id": None, "medium": "GPU", "lora_name": None}
+        return {
+            "type": "BlockStored",
+            "block_hashes": [h for h, _, _ in chunk],
+            "parent_block_hash": chunk[0][1],
+            "token_ids": [t for _, _, toks in chunk for t in toks],
+            "block_size": BLOCK,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
 
     def frames(self, n_events: int) -> list[list[bytes]]:
         events: list[dict] = []
@@ -113,7 +119,7 @@ class Workload:
         out, i, seq, ts = [], 0, 0, 1_760_000_000.0
         while i < len(events):
             k = self.rnd.randint(4, 16)
-            payload = ez.encode_payload(events[i:i + k], ts, 0, "vllm")
+            payload = ez.encode_payload(events[i : i + k], ts, 0, "vllm")
             out.append(ez.encode_frames(b"kv@pod-0@llama-3-8b", seq, payload))
             i, seq, ts = i + k, seq + 1, ts + self.rnd.random() * 0.02
         return out
@@ -122,16 +128,25 @@ class Workload:
 def bare_loop(batches: list[Batch], chunk: int = 16 * 1024) -> float:
     """Seconds to turn the events into core-column RecordBatches, nothing else."""
     import pyarrow as pa
+
     t0 = time.perf_counter()
-    cols: dict[str, list] = {k: [] for k in ("recv_ns", "type", "block_hashes",
-                                             "parent_block_hash", "token_ids", "block_size")}
-    types = {"recv_ns": pa.int64(), "type": pa.string(), "block_hashes": pa.list_(pa.uint64()),
-             "parent_block_hash": pa.uint64(), "token_ids": pa.list_(pa.uint32()),
-             "block_size": pa.int32()}
+    cols: dict[str, list] = {
+        k: []
+        for k in ("recv_ns", "type", "block_hashes", "parent_block_hash", "token_ids", "block_size")
+    }
+    types = {
+        "recv_ns": pa.int64(),
+        "type": pa.string(),
+        "block_hashes": pa.list_(pa.uint64()),
+        "parent_block_hash": pa.uint64(),
+        "token_ids": pa.list_(pa.uint32()),
+        "block_size": pa.int32(),
+    }
 
     def emit() -> None:
-        pa.RecordBatch.from_arrays([pa.array(v, type=types[k]) for k, v in cols.items()],
-                                   names=list(cols))
+        pa.RecordBatch.from_arrays(
+            [pa.array(v, type=types[k]) for k, v in cols.items()], names=list(cols)
+        )
         for v in cols.values():
             v.clear()
 
@@ -149,23 +164,37 @@ def bare_loop(batches: list[Batch], chunk: int = 16 * 1024) -> float:
     return time.perf_counter() - t0
 
 
-def run(batches: list[Batch], raw: int, level: int, raw_frames: str, out: Path,
-        background: bool = True) -> dict:
+def run(
+    batches: list[Batch], raw: int, level: int, raw_frames: str, out: Path, background: bool = True
+) -> dict:
     from kvctl.transports.files import RecordingWriter
+
     rows = sum(max(1, len(b.events)) for b in batches)
     t0 = time.perf_counter()
-    w = RecordingWriter(out, compression_level=level, raw_frames=raw_frames,
-                        background=background, metadata={"bench": True},
-                        labels={"tcp://127.0.0.1:5557": (None, None)})
+    w = RecordingWriter(
+        out,
+        compression_level=level,
+        raw_frames=raw_frames,
+        background=background,
+        metadata={"bench": True},
+        labels={"tcp://127.0.0.1:5557": (None, None)},
+    )
     w.converter_ready()
     for b in batches:
         w.write_message(b)  # as `kvctl record` does: raw journal, converter subprocess
     write_s = time.perf_counter() - t0
     summary = w.close()
     total_s = time.perf_counter() - t0
-    return {"level": level, "raw_frames": raw_frames, "bytes": summary["bytes"],
-            "ratio": summary["bytes"] / raw, "rows": rows, "write_s": write_s,
-            "total_s": total_s, "rows_per_s": rows / total_s}
+    return {
+        "level": level,
+        "raw_frames": raw_frames,
+        "bytes": summary["bytes"],
+        "ratio": summary["bytes"] / raw,
+        "rows": rows,
+        "write_s": write_s,
+        "total_s": total_s,
+        "rows_per_s": rows / total_s,
+    }
 
 
 def main() -> None:
@@ -182,16 +211,21 @@ def main() -> None:
     frames = Workload().frames(args.events)
     gen_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    batches = [decode_zmq(f, "tcp://127.0.0.1:5557", recv_ns=1_760_000_000_000_000_000 + i)
-               for i, f in enumerate(frames)]
+    batches = [
+        decode_zmq(f, "tcp://127.0.0.1:5557", recv_ns=1_760_000_000_000_000_000 + i)
+        for i, f in enumerate(frames)
+    ]
     decode_s = time.perf_counter() - t0
     payload = sum(len(f[2]) for f in frames)
     all_frames = sum(len(x) for f in frames for x in f)
     events = sum(len(b.events) for b in batches)
     bare_s = bare_loop(batches)
-    print(f"workload: {events} events in {len(batches)} batches, "
-          f"{payload / events:.0f} B/event msgpack, generated in {gen_s:.1f}s, "
-          f"decoded in {decode_s:.2f}s ({events / decode_s:,.0f} ev/s)", file=sys.stderr)
+    print(
+        f"workload: {events} events in {len(batches)} batches, "
+        f"{payload / events:.0f} B/event msgpack, generated in {gen_s:.1f}s, "
+        f"decoded in {decode_s:.2f}s ({events / decode_s:,.0f} ev/s)",
+        file=sys.stderr,
+    )
     configs = [(args.level or DEFAULT_ZSTD_LEVEL, args.raw_frames)]
     if args.sweep:
         configs = [(lv, rf) for rf in ("auto", "always") for lv in (1, 3, 6, 9, 12)]
@@ -202,18 +236,27 @@ def main() -> None:
             r["bare_rows_per_s"] = events / bare_s
             r["vs_bare"] = r["rows_per_s"] / r["bare_rows_per_s"]
             results.append(r)
-    out = {"events": events, "batches": len(batches), "payload_bytes": payload,
-           "frame_bytes": all_frames, "results": results}
+    out = {
+        "events": events,
+        "batches": len(batches),
+        "payload_bytes": payload,
+        "frame_bytes": all_frames,
+        "results": results,
+    }
     if args.json:
         print(json.dumps(out, indent=2))
         return
     print(f"raw msgpack payload: {payload:,} B ({all_frames:,} B with topic/seq frames)")
     print(f"bare RecordBatch loop: {events / bare_s:,.0f} rows/s")
-    print(f"{'zstd':>4} {'frames':>6} {'on disk':>12} {'disk/raw':>8} {'rows/s':>10} "
-          f"{'vs bare':>7} {'write()':>7}")
+    print(
+        f"{'zstd':>4} {'frames':>6} {'on disk':>12} {'disk/raw':>8} {'rows/s':>10} "
+        f"{'vs bare':>7} {'write()':>7}"
+    )
     for r in results:
-        print(f"{r['level']:>4} {r['raw_frames']:>6} {r['bytes']:>12,} {r['ratio']:>8.3f} "
-              f"{r['rows_per_s']:>10,.0f} {r['vs_bare']:>7.2f} {r['write_s']:>6.2f}s")
+        print(
+            f"{r['level']:>4} {r['raw_frames']:>6} {r['bytes']:>12,} {r['ratio']:>8.3f} "
+            f"{r['rows_per_s']:>10,.0f} {r['vs_bare']:>7.2f} {r['write_s']:>6.2f}s"
+        )
 
 
 if __name__ == "__main__":

@@ -103,8 +103,13 @@ def _recorder(endpoint: str, out: str, total_events: int, report) -> None:
             conv = writer._converter
             if marks and writer.counts["events"] >= marks[0]:
                 marks.pop(0)
-                samples.append((writer.counts["events"], _rss_kb(),
-                                _rss_kb(conv.pid) if conv is not None else None))
+                samples.append(
+                    (
+                        writer.counts["events"],
+                        _rss_kb(),
+                        _rss_kb(conv.pid) if conv is not None else None,
+                    )
+                )
 
     threading.Thread(target=sample, daemon=True).start()
     start = time.perf_counter()
@@ -115,12 +120,24 @@ def _recorder(endpoint: str, out: str, total_events: int, report) -> None:
     close_s = time.perf_counter() - closing
     done.set()
     source.close()
-    report.put(("done", {"events": summary.total_events, "batches": summary.batches,
-                         "recorded": result["batches"], "elapsed": elapsed, "close_s": close_s,
-                         "samples": samples, "peak_kb": _rss_kb(key="VmHWM"),
-                         "end_kb": _rss_kb(), "converter_peak_kb":
-                         result["converter"]["peak_rss_kb"], "bytes": result["bytes"],
-                         "raw_bytes": result["raw_bytes"]}))
+    report.put(
+        (
+            "done",
+            {
+                "events": summary.total_events,
+                "batches": summary.batches,
+                "recorded": result["batches"],
+                "elapsed": elapsed,
+                "close_s": close_s,
+                "samples": samples,
+                "peak_kb": _rss_kb(key="VmHWM"),
+                "end_kb": _rss_kb(),
+                "converter_peak_kb": result["converter"]["peak_rss_kb"],
+                "bytes": result["bytes"],
+                "raw_bytes": result["raw_bytes"],
+            },
+        )
+    )
 
 
 def _publisher(endpoint: str, events: int, rate: float, go) -> None:
@@ -158,8 +175,9 @@ def long_run(events: int, rate: float) -> None:
     go = spawn.Event()
     pub = spawn.Process(target=_publisher, args=(endpoint, events, rate, go))
     pub.start()
-    rec = spawn.Process(target=_recorder, args=(endpoint, str(tmp / "long.parquet"), events,
-                                                report))
+    rec = spawn.Process(
+        target=_recorder, args=(endpoint, str(tmp / "long.parquet"), events, report)
+    )
     rec.start()
     try:
         assert report.get(timeout=60)[0] == "ready"
@@ -171,16 +189,22 @@ def long_run(events: int, rate: float) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     assert r["batches"] == r["recorded"], "the recorder lost batches"
-    print(f"long run: {r['events']:,} events in {r['batches']:,} batches at "
-          f"~{rate:,.0f} events/s offered ({r['events'] / r['elapsed']:,.0f}/s ingested), "
-          f"conversion left at close {r['close_s']:.2f} s")
+    print(
+        f"long run: {r['events']:,} events in {r['batches']:,} batches at "
+        f"~{rate:,.0f} events/s offered ({r['events'] / r['elapsed']:,.0f}/s ingested), "
+        f"conversion left at close {r['close_s']:.2f} s"
+    )
     for ev, rss, conv in r["samples"]:
-        print(f"  after {ev:>9,} events: recorder RSS {rss / 1024:6.1f} MB, converter "
-              f"{(conv or 0) / 1024:6.1f} MB")
-    print(f"  end: recorder RSS {r['end_kb'] / 1024:.1f} MB; peak (VmHWM) recorder "
-          f"{r['peak_kb'] / 1024:.1f} MB, converter {(r['converter_peak_kb'] or 0) / 1024:.1f}"
-          f" MB; bytes on disk / raw msgpack bytes: {r['bytes'] / r['raw_bytes']:.3f} "
-          "(random tokens)")
+        print(
+            f"  after {ev:>9,} events: recorder RSS {rss / 1024:6.1f} MB, converter "
+            f"{(conv or 0) / 1024:6.1f} MB"
+        )
+    print(
+        f"  end: recorder RSS {r['end_kb'] / 1024:.1f} MB; peak (VmHWM) recorder "
+        f"{r['peak_kb'] / 1024:.1f} MB, converter {(r['converter_peak_kb'] or 0) / 1024:.1f}"
+        f" MB; bytes on disk / raw msgpack bytes: {r['bytes'] / r['raw_bytes']:.3f} "
+        "(random tokens)"
+    )
 
 
 def main() -> None:
@@ -198,8 +222,10 @@ def main() -> None:
         return
     payloads = realistic_payloads(args.batches)
     compare([Bare(), Record()], payloads, args.rounds)
-    print(f"conversion left at close: {statistics.median(CLOSE_TIMES):.2f} s (median); "
-          f"bytes on disk / raw msgpack bytes: {statistics.median(RATIOS):.3f} (random tokens)")
+    print(
+        f"conversion left at close: {statistics.median(CLOSE_TIMES):.2f} s (median); "
+        f"bytes on disk / raw msgpack bytes: {statistics.median(RATIOS):.3f} (random tokens)"
+    )
 
 
 if __name__ == "__main__":

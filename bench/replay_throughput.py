@@ -59,9 +59,23 @@ def kvctl(path: Path, batches: int, *args: str) -> dict:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     ready = mp.Event()
     proc = mp.Process(target=drain, args=(endpoint, batches, ready))
-    replay = subprocess.Popen([sys.executable, "-m", "kvctl", "replay", str(path), "--to",
-                               endpoint, "--wait-subscribers", "1", "--json", "-q", *args],
-                              stdout=subprocess.PIPE)
+    replay = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvctl",
+            "replay",
+            str(path),
+            "--to",
+            endpoint,
+            "--wait-subscribers",
+            "1",
+            "--json",
+            "-q",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+    )
     proc.start()
     out, _ = replay.communicate(timeout=600)
     proc.join(60)
@@ -94,18 +108,22 @@ def main() -> None:
         b, k = statistics.median(rates["bare"]), statistics.median(rates["kvctl"])
         print(f"{args.batches} batches, {args.rounds} rounds, medians")
         print(f"bare send_multipart loop : {b:12,.0f} batches/s")
-        print(f"kvctl replay --topspeed  : {k:12,.0f} batches/s   ratio {k / b:.2f} (rounds: "
-              + ", ".join(f"{x / y:.2f}" for x, y in zip(rates["kvctl"], rates["bare"],
-                                                          strict=True)) + ")")
+        print(
+            f"kvctl replay --topspeed  : {k:12,.0f} batches/s   ratio {k / b:.2f} (rounds: "
+            + ", ".join(f"{x / y:.2f}" for x, y in zip(rates["kvctl"], rates["bare"], strict=True))
+            + ")"
+        )
         for rate, n in ((1_000, 5_000), (10_000, args.batches)):
             report = kvctl(paths[n], n, "--rate", str(rate))
             sent = report["batches"]
             achieved = sent / report["elapsed_s"]
             late = report["lateness"]
-            print(f"--rate {rate:>6}: {sent} batches, achieved {achieved:,.1f}/s "
-                  f"(error {abs(achieved - rate) / rate:.3%}), lateness median "
-                  f"{late['median_ms']:.3f} ms, p99 {late['p99_ms']:.3f} ms, max "
-                  f"{late['max_ms']:.3f} ms, CPU {report['cpu_percent']:.0f}%")
+            print(
+                f"--rate {rate:>6}: {sent} batches, achieved {achieved:,.1f}/s "
+                f"(error {abs(achieved - rate) / rate:.3%}), lateness median "
+                f"{late['median_ms']:.3f} ms, p99 {late['p99_ms']:.3f} ms, max "
+                f"{late['max_ms']:.3f} ms, CPU {report['cpu_percent']:.0f}%"
+            )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,22 @@ from pathlib import Path
 
 def run(requests: int, pin: bool) -> float:
     with tempfile.TemporaryDirectory(prefix="kvctl-bench-") as tmp:
-        cmd = [sys.executable, "-m", "kvctl", "simulate", "-o", str(Path(tmp) / "sim.parquet"),
-               "--workers", "8", "--requests", str(requests), "--rate", "40", "--json", "-q"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvctl",
+            "simulate",
+            "-o",
+            str(Path(tmp) / "sim.parquet"),
+            "--workers",
+            "8",
+            "--requests",
+            str(requests),
+            "--rate",
+            "40",
+            "--json",
+            "-q",
+        ]
         if pin:
             cmd = ["taskset", "-c", "0", *cmd]
         s = json.loads(subprocess.run(cmd, capture_output=True, check=True).stdout)
@@ -35,8 +49,10 @@ def main() -> None:
     modes = [("one core (taskset -c 0)", True)] if shutil.which("taskset") else []
     for name, pin in [*modes, ("all cores", False)]:
         rates = [run(args.requests, pin) for _ in range(args.rounds)]
-        print(f"simulate -o, 8 workers, {name}: {statistics.median(rates):,.0f} block events/s "
-              f"(median of {args.rounds}: {', '.join(f'{r:,.0f}' for r in rates)})")
+        print(
+            f"simulate -o, 8 workers, {name}: {statistics.median(rates):,.0f} block events/s "
+            f"(median of {args.rounds}: {', '.join(f'{r:,.0f}' for r in rates)})"
+        )
 
 
 if __name__ == "__main__":

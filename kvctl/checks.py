@@ -68,52 +68,124 @@ class Rule:
     summary: str
 
 
-RULES: dict[str, Rule] = {r.id: r for r in (
-    Rule("KV001", "malformed-batch", ERROR, "a message could not be decoded (batch.error set)"),
-    Rule("KV002", "invalid-event", ERROR,
-         "an event is not a map, or its block_hashes / token_ids are not arrays"),
-    Rule("KV003", "unknown-event-type", INFO,
-         "event type other than BlockStored, BlockRemoved, AllBlocksCleared"),
-    Rule("KV004", "unknown-field", INFO, "an event carries a field no known producer sends"),
-    Rule("KV101", "remove-unknown-block", ERROR,
-         "BlockRemoved of a hash not cached on that worker"),
-    Rule("KV102", "store-parent-unknown", ERROR,
-         "BlockStored whose parent_block_hash is not cached on that worker (Dynamo rejects it)"),
-    Rule("KV103", "duplicate-store", WARNING,
-         "BlockStored of a hash already cached on that worker"),
-    Rule("KV104", "capacity-exceeded", ERROR,
-         "a worker holds more blocks than --num-blocks (evictions not published)"),
-    Rule("KV105", "missing-parent-links", WARNING,
-         "most stores of a worker are parentless single-block stores (parent never sent?)"),
-    Rule("KV201", "token-count-mismatch", ERROR,
-         "len(token_ids) != block_size x len(block_hashes)"),
-    Rule("KV202", "block-size-unexpected", ERROR, "block_size differs from --block-size"),
-    Rule("KV203", "block-size-changed", WARNING, "block_size changes within a worker (and group)"),
-    Rule("KV204", "hash-sign-mixed", WARNING,
-         "one worker sends negative (i64) and >= 2^63 (u64) hashes: two encoders in play"),
-    Rule("KV205", "hash-bytes", WARNING,
-         "hash sent as bytes (e.g. 32-byte SHA-256): u64 consumers such as Dynamo cannot use it"),
-    Rule("KV206", "hash-invalid", ERROR,
-         "hash is not an int or bytes, or an int that does not fit 64 bits"),
-    Rule("KV301", "seq-gap", ERROR, "a publisher's seq skipped batches (events lost)"),
-    Rule("KV302", "seq-duplicate", WARNING, "a publisher's seq repeated"),
-    Rule("KV303", "seq-reorder", WARNING, "a batch arrived after a later one (filled a gap late)"),
-    Rule("KV304", "seq-reset", WARNING,
-         "a publisher's seq restarted at 0 (engine restart: the router's view is stale)"),
-    Rule("KV305", "ts-backwards", WARNING, "a publisher's batch timestamp went backwards"),
-    Rule("KV306", "worker-silent", ERROR,
-         "an expected worker or source published nothing (--expect-workers, idle timeout)"),
-)}
+RULES: dict[str, Rule] = {
+    r.id: r
+    for r in (
+        Rule("KV001", "malformed-batch", ERROR, "a message could not be decoded (batch.error set)"),
+        Rule(
+            "KV002",
+            "invalid-event",
+            ERROR,
+            "an event is not a map, or its block_hashes / token_ids are not arrays",
+        ),
+        Rule(
+            "KV003",
+            "unknown-event-type",
+            INFO,
+            "event type other than BlockStored, BlockRemoved, AllBlocksCleared",
+        ),
+        Rule("KV004", "unknown-field", INFO, "an event carries a field no known producer sends"),
+        Rule(
+            "KV101",
+            "remove-unknown-block",
+            ERROR,
+            "BlockRemoved of a hash not cached on that worker",
+        ),
+        Rule(
+            "KV102",
+            "store-parent-unknown",
+            ERROR,
+            "BlockStored whose parent_block_hash is not cached on that worker (Dynamo rejects it)",
+        ),
+        Rule(
+            "KV103",
+            "duplicate-store",
+            WARNING,
+            "BlockStored of a hash already cached on that worker",
+        ),
+        Rule(
+            "KV104",
+            "capacity-exceeded",
+            ERROR,
+            "a worker holds more blocks than --num-blocks (evictions not published)",
+        ),
+        Rule(
+            "KV105",
+            "missing-parent-links",
+            WARNING,
+            "most stores of a worker are parentless single-block stores (parent never sent?)",
+        ),
+        Rule(
+            "KV201",
+            "token-count-mismatch",
+            ERROR,
+            "len(token_ids) != block_size x len(block_hashes)",
+        ),
+        Rule("KV202", "block-size-unexpected", ERROR, "block_size differs from --block-size"),
+        Rule(
+            "KV203", "block-size-changed", WARNING, "block_size changes within a worker (and group)"
+        ),
+        Rule(
+            "KV204",
+            "hash-sign-mixed",
+            WARNING,
+            "one worker sends negative (i64) and >= 2^63 (u64) hashes: two encoders in play",
+        ),
+        Rule(
+            "KV205",
+            "hash-bytes",
+            WARNING,
+            "hash sent as bytes (e.g. 32-byte SHA-256): u64 consumers such as Dynamo cannot use it",
+        ),
+        Rule(
+            "KV206",
+            "hash-invalid",
+            ERROR,
+            "hash is not an int or bytes, or an int that does not fit 64 bits",
+        ),
+        Rule("KV301", "seq-gap", ERROR, "a publisher's seq skipped batches (events lost)"),
+        Rule("KV302", "seq-duplicate", WARNING, "a publisher's seq repeated"),
+        Rule(
+            "KV303", "seq-reorder", WARNING, "a batch arrived after a later one (filled a gap late)"
+        ),
+        Rule(
+            "KV304",
+            "seq-reset",
+            WARNING,
+            "a publisher's seq restarted at 0 (engine restart: the router's view is stale)",
+        ),
+        Rule("KV305", "ts-backwards", WARNING, "a publisher's batch timestamp went backwards"),
+        Rule(
+            "KV306",
+            "worker-silent",
+            ERROR,
+            "an expected worker or source published nothing (--expect-workers, idle timeout)",
+        ),
+    )
+}
 
 # Every field a known producer writes (see wire-formats.md), so KV004 only fires on the rest.
-KNOWN_FIELDS = frozenset({
-    "type", *STORED_ARRAY_FIELDS, *REMOVED_ARRAY_FIELDS,
-    "locality", "ownership", "session_id", "lookahead_token_ids",  # vLLM optional
-    "cache_salt",  # SGLang
-    # Dynamo RouterEvent fields kept on the event by formats.dynamo
-    "worker_id", "dp_rank", "event_id", "tokens_hashes", "mm_extra_info", "storage_tier",
-    "residency_domain", "start_position",
-})
+KNOWN_FIELDS = frozenset(
+    {
+        "type",
+        *STORED_ARRAY_FIELDS,
+        *REMOVED_ARRAY_FIELDS,
+        "locality",
+        "ownership",
+        "session_id",
+        "lookahead_token_ids",  # vLLM optional
+        "cache_salt",  # SGLang
+        # Dynamo RouterEvent fields kept on the event by formats.dynamo
+        "worker_id",
+        "dp_rank",
+        "event_id",
+        "tokens_hashes",
+        "mm_extra_info",
+        "storage_tier",
+        "residency_domain",
+        "start_position",
+    }
+)
 _EVENT_TYPES = (BLOCK_STORED, BLOCK_REMOVED, ALL_BLOCKS_CLEARED)
 _I64_MIN, _I63, _U64_LIMIT = -(1 << 63), 1 << 63, 1 << 64
 
@@ -138,10 +210,17 @@ class Finding:
     hash: Any = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"rule": self.rule, "name": self.name, "severity": self.severity,
-                "message": self.message, "source": self.source, "seq": self.seq, "ts": self.ts,
-                "worker": self.worker,
-                "hash": None if self.hash is None else _json_hash(self.hash)}
+        return {
+            "rule": self.rule,
+            "name": self.name,
+            "severity": self.severity,
+            "message": self.message,
+            "source": self.source,
+            "seq": self.seq,
+            "ts": self.ts,
+            "worker": self.worker,
+            "hash": None if self.hash is None else _json_hash(self.hash),
+        }
 
 
 def _json_hash(h: Any) -> Any:
@@ -157,9 +236,14 @@ class RuleResult:
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        out = {"id": self.rule.id, "name": self.rule.name, "severity": self.rule.severity,
-               "summary": self.rule.summary, "count": self.count,
-               "examples": [f.to_json() for f in self.examples]}
+        out = {
+            "id": self.rule.id,
+            "name": self.rule.name,
+            "severity": self.rule.severity,
+            "summary": self.rule.summary,
+            "count": self.count,
+            "examples": [f.to_json() for f in self.examples],
+        }
         if self.details:
             out["details"] = self.details
         return out
@@ -189,10 +273,17 @@ class Report:
         return next((r for r in self.results if r.rule.id == rule_id), None)
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": not self.has_errors, "errors": self.count(ERROR),
-                "warnings": self.count(WARNING), "infos": self.count(INFO),
-                "batches": self.batches, "events": self.events, "workers": self.workers,
-                "sources": self.sources, "rules": [r.to_json() for r in self.results]}
+        return {
+            "ok": not self.has_errors,
+            "errors": self.count(ERROR),
+            "warnings": self.count(WARNING),
+            "infos": self.count(INFO),
+            "batches": self.batches,
+            "events": self.events,
+            "workers": self.workers,
+            "sources": self.sources,
+            "rules": [r.to_json() for r in self.results],
+        }
 
 
 class _WorkerCheck:
@@ -219,10 +310,16 @@ def idle_workers(last_seen_ns: dict[Any, int], now_ns: int, timeout_s: float) ->
 class Checker:
     """Feed batches in arrival order; see the module doc and :data:`RULES`."""
 
-    def __init__(self, block_size: int | None = None, num_blocks: int | None = None,
-                 expect_workers: int | None = None, max_examples: int = 5,
-                 report_all: bool = False, orphan_min: int = 16,
-                 orphan_ratio: float = 0.8) -> None:
+    def __init__(
+        self,
+        block_size: int | None = None,
+        num_blocks: int | None = None,
+        expect_workers: int | None = None,
+        max_examples: int = 5,
+        report_all: bool = False,
+        orphan_min: int = 16,
+        orphan_ratio: float = 0.8,
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.expect_workers = expect_workers
@@ -243,8 +340,14 @@ class Checker:
 
     # --- reporting -------------------------------------------------------------------------
 
-    def _emit(self, rule_id: str, batch: Batch | None, message: str,
-              worker: WorkerKey | None = None, h: Any = None) -> RuleResult:
+    def _emit(
+        self,
+        rule_id: str,
+        batch: Batch | None,
+        message: str,
+        worker: WorkerKey | None = None,
+        h: Any = None,
+    ) -> RuleResult:
         res = self.results.get(rule_id)
         if res is None:
             res = self.results[rule_id] = RuleResult(RULES[rule_id])
@@ -252,11 +355,17 @@ class Checker:
         keep = res.count <= self.max_examples
         if keep or self.report_all:
             rule = res.rule
-            f = Finding(rule.id, rule.name, rule.severity, message,
-                        batch.source if batch is not None else "",
-                        batch.seq if batch is not None else None,
-                        batch.ts if batch is not None else None,
-                        worker_label(worker) if worker is not None else None, h)
+            f = Finding(
+                rule.id,
+                rule.name,
+                rule.severity,
+                message,
+                batch.source if batch is not None else "",
+                batch.seq if batch is not None else None,
+                batch.ts if batch is not None else None,
+                worker_label(worker) if worker is not None else None,
+                h,
+            )
             if keep:
                 res.examples.append(f)
             self._new.append(f)
@@ -319,14 +428,22 @@ class Checker:
             wc = self._wc[key] = _WorkerCheck()
         return wc
 
-    def _anomaly(self, batch: Batch, kind: str, key: WorkerKey, h: Any, detail: str,
-                 ev: dict) -> None:
+    def _anomaly(
+        self, batch: Batch, kind: str, key: WorkerKey, h: Any, detail: str, ev: dict
+    ) -> None:
         if kind == REMOVE_UNKNOWN:
-            self._emit("KV101", batch, "removal of a block never stored (or already removed)",
-                       key, h)
+            self._emit(
+                "KV101", batch, "removal of a block never stored (or already removed)", key, h
+            )
         elif kind == PARENT_UNKNOWN:
-            self._emit("KV102", batch, f"store of {len(ev.get('block_hashes') or ())} block(s)"
-                       " whose parent is not cached on this worker", key, h)
+            self._emit(
+                "KV102",
+                batch,
+                f"store of {len(ev.get('block_hashes') or ())} block(s)"
+                " whose parent is not cached on this worker",
+                key,
+                h,
+            )
         elif kind == DUPLICATE_STORE:
             self._emit("KV103", batch, "store of a hash already cached on this worker", key, h)
         elif kind == INVALID_EVENT:
@@ -346,8 +463,13 @@ class Checker:
         size = ev.get("block_size")
         if size is not None:
             if self.block_size is not None and size != self.block_size:
-                self._emit("KV202", batch, f"block_size {size!r}, expected {self.block_size}",
-                           key, hashes[0] if hashes else None)
+                self._emit(
+                    "KV202",
+                    batch,
+                    f"block_size {size!r}, expected {self.block_size}",
+                    key,
+                    hashes[0] if hashes else None,
+                )
             group = ev.get("group_idx")
             try:
                 prev = wc.sizes.get(group)
@@ -358,24 +480,39 @@ class Checker:
                 wc.sizes[group] = size
             elif prev != size:
                 wc.sizes[group] = size
-                self._emit("KV203", batch, f"block_size changed from {prev!r} to {size!r}",
-                           key, hashes[0] if hashes else None)
+                self._emit(
+                    "KV203",
+                    batch,
+                    f"block_size changed from {prev!r} to {size!r}",
+                    key,
+                    hashes[0] if hashes else None,
+                )
         tokens = ev.get("token_ids")
         if tokens is not None:
             if type(tokens) is not list:
                 self._emit("KV002", batch, "token_ids is not an array", key)
             elif type(size) is int and len(tokens) != size * len(hashes):
-                self._emit("KV201", batch, f"{len(tokens)} tokens for {len(hashes)} block(s)"
-                           f" of {size}", key, hashes[0] if hashes else None)
+                self._emit(
+                    "KV201",
+                    batch,
+                    f"{len(tokens)} tokens for {len(hashes)} block(s) of {size}",
+                    key,
+                    hashes[0] if hashes else None,
+                )
         # Missing-parent-link heuristic (see module doc); the first store may start a chain.
         wc.stores += 1
-        if (wc.stores > 1 and parent is None and len(hashes) == 1 and not wc.orphan_flagged):
+        if wc.stores > 1 and parent is None and len(hashes) == 1 and not wc.orphan_flagged:
             wc.orphans += 1
-            if (wc.orphans >= self.orphan_min
-                    and wc.orphans >= self.orphan_ratio * (wc.stores - 1)):
+            if wc.orphans >= self.orphan_min and wc.orphans >= self.orphan_ratio * (wc.stores - 1):
                 wc.orphan_flagged = True
-                self._emit("KV105", batch, f"{wc.orphans} of {wc.stores} stores are parentless"
-                           " single-block stores: is parent_block_hash ever sent?", key, hashes[0])
+                self._emit(
+                    "KV105",
+                    batch,
+                    f"{wc.orphans} of {wc.stores} stores are parentless"
+                    " single-block stores: is parent_block_hash ever sent?",
+                    key,
+                    hashes[0],
+                )
 
     def _check_hashes(self, batch: Batch, hashes: Any, key: WorkerKey) -> None:
         if type(hashes) is not list and type(hashes) is not tuple:
@@ -390,18 +527,29 @@ class Checker:
                     if wc.neg is None:
                         wc.neg = h
                         if wc.high is not None:
-                            self._emit("KV204", batch, "negative hash after u64 hashes >= 2^63"
-                                       " on this worker", key, h)
+                            self._emit(
+                                "KV204",
+                                batch,
+                                "negative hash after u64 hashes >= 2^63 on this worker",
+                                key,
+                                h,
+                            )
                 elif _I63 <= h < _U64_LIMIT:
                     wc = wc or self._wcheck(key)
                     if wc.high is None:
                         wc.high = h
                         if wc.neg is not None:
-                            self._emit("KV204", batch, "hash >= 2^63 after negative i64 hashes"
-                                       " on this worker", key, h)
+                            self._emit(
+                                "KV204",
+                                batch,
+                                "hash >= 2^63 after negative i64 hashes on this worker",
+                                key,
+                                h,
+                            )
                 else:
-                    self._emit("KV206", batch, f"hash does not fit 64 bits ({h.bit_length()}"
-                               " bits)", key, h)
+                    self._emit(
+                        "KV206", batch, f"hash does not fit 64 bits ({h.bit_length()} bits)", key, h
+                    )
             elif isinstance(h, (bytes, bytearray, memoryview)):
                 self._emit("KV205", batch, f"{len(h)}-byte hash", key, bytes(h))
             else:
@@ -416,8 +564,7 @@ class Checker:
         if n > self.num_blocks:  # type: ignore[operator]
             if not wc.over:
                 wc.over = True
-                self._emit("KV104", batch, f"{n} blocks cached, capacity {self.num_blocks}",
-                           key)
+                self._emit("KV104", batch, f"{n} blocks cached, capacity {self.num_blocks}", key)
         elif wc.over:  # back under capacity: a later rise is a new finding
             wc.over = False
 
@@ -425,8 +572,11 @@ class Checker:
         for ev in self.seq.observe(batch):
             kind = ev.kind
             if kind == "gap":
-                res = self._emit("KV301", batch, f"seq {ev.got}, expected {ev.expected}:"
-                                 f" {ev.missing} batch(es) missing")
+                res = self._emit(
+                    "KV301",
+                    batch,
+                    f"seq {ev.got}, expected {ev.expected}: {ev.missing} batch(es) missing",
+                )
                 res.details["missing_batches"] = res.details.get("missing_batches", 0) + ev.missing
             elif kind == "duplicate":
                 self._emit("KV302", batch, f"seq {ev.got} repeated (expected {ev.expected})")
@@ -458,11 +608,18 @@ class Checker:
                 self._silent_reported.add(src)
                 self._emit("KV306", None, f"source {src} published nothing")
         seen = len(self.state.workers)
-        if (self.expect_workers is not None and seen < self.expect_workers
-                and "*expect" not in self._silent_reported):
+        if (
+            self.expect_workers is not None
+            and seen < self.expect_workers
+            and "*expect" not in self._silent_reported
+        ):
             self._silent_reported.add("*expect")
-            res = self._emit("KV306", None, f"{seen} of {self.expect_workers} expected workers"
-                             f" published events: {self.seen_workers}")
+            res = self._emit(
+                "KV306",
+                None,
+                f"{seen} of {self.expect_workers} expected workers"
+                f" published events: {self.seen_workers}",
+            )
             res.details["seen_workers"] = self.seen_workers
             res.details["expected_workers"] = self.expect_workers
         return self._new
@@ -472,5 +629,6 @@ class Checker:
         flagged)."""
         self.check_silent(sources)
         results = [self.results[k] for k in sorted(self.results)]
-        return Report(results, self.batches, self.events, self.seen_workers,
-                      sorted(self.last_seen_ns))
+        return Report(
+            results, self.batches, self.events, self.seen_workers, sorted(self.last_seen_ns)
+        )

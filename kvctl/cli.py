@@ -20,8 +20,11 @@ from .redact import redact_url
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(commands.__path__)
-                      if not m.name.startswith("_"))
+        return sorted(
+            m.name.replace("_", "-")
+            for m in pkgutil.iter_modules(commands.__path__)
+            if not m.name.startswith("_")
+        )
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -39,9 +42,14 @@ class LazyGroup(click.Group):
         return module.command
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"],
-                                              "auto_envvar_prefix": "KVCTL",
-                                              "max_content_width": 100})
+@click.group(
+    cls=LazyGroup,
+    context_settings={
+        "help_option_names": ["-h", "--help"],
+        "auto_envvar_prefix": "KVCTL",
+        "max_content_width": 100,
+    },
+)
 @click.version_option(__version__, prog_name="kvctl")
 def cli() -> None:
     """kvctl: tap, record, replay, simulate and check the KV-cache event streams of LLM
@@ -53,8 +61,12 @@ def cli() -> None:
 
 def _environment_variable(exc: click.ClickException) -> str | None:
     """The ``KVCTL_*`` variable a rejected value came from, when it came from the environment."""
-    if not isinstance(exc, click.BadParameter) or exc.ctx is None or exc.param is None \
-            or not exc.param.name:
+    if (
+        not isinstance(exc, click.BadParameter)
+        or exc.ctx is None
+        or exc.param is None
+        or not exc.param.name
+    ):
         return None
     source = exc.ctx.get_parameter_source(exc.param.name)
     if source is not click.core.ParameterSource.ENVIRONMENT:

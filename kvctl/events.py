@@ -124,8 +124,16 @@ def present_hash(value: Any, style: str = "unsigned") -> Any:
 # means "not set" everywhere. Any other type is a producer bug, and the decoders turn the
 # whole message into a malformed one that names the field, so that no command prints, records
 # or models an event whose meaning is unknown. Fields kvctl does not know are never checked.
-TYPED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                "lora_name", "medium", "tokens_hashes")
+TYPED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "lora_name",
+    "medium",
+    "tokens_hashes",
+)
 """The fields :func:`field_type_error` checks; every other field may hold any value."""
 _HASH_TYPES = frozenset({int, bytes})
 _TOKEN_TYPES = frozenset({int, str, dict})
@@ -136,8 +144,15 @@ _CHECKED_KEYS = frozenset(("type", *TYPED_FIELDS))
 """Fields whose shape is known flat once typed (``type``: the decoders require a string)."""
 _VALUE_LEVELS = MAX_DEPTH - 3  # the batch, its events array and the event sit above a value
 _NESTING = f"nests deeper than {MAX_DEPTH} levels"
-_KINDS = {str: "a str", dict: "a map", list: "an array", float: "a float", bool: "a bool",
-          bytes: "bytes", int: "an int"}
+_KINDS = {
+    str: "a str",
+    dict: "a map",
+    list: "an array",
+    float: "a float",
+    bool: "a bool",
+    bytes: "bytes",
+    int: "an int",
+}
 
 
 def kind_of(value: Any) -> str:
@@ -257,6 +272,8 @@ def _token_error(tokens: list[Any]) -> str | None:
             continue
         if type(token) is list and token and all(type(t) is int for t in token):
             continue  # an EAGLE [a, b] pair
-        return (f"token_ids holds {kind_of(token)}, expected int, an [int, int] pair, "
-                "a string or a token map")
+        return (
+            f"token_ids holds {kind_of(token)}, expected int, an [int, int] pair, "
+            "a string or a token map"
+        )
     return None

@@ -16,17 +16,50 @@ OPTIONS = "Options"
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     "Sources": ("--subject", "--from-start", "--replay-endpoint", "--topic"),
-    "Connection / NATS auth": ("--connect-timeout", "--max-queue", "--nats-user", "--nats-password",
-                               "--nats-token", "--nats-creds", "--tls-ca", "--tls-cert",
-                               "--tls-key"),
-    "Target": ("--to", "--format", "--array-layout", "--port-per-worker", "--keep-seq",
-               "--worker-topics", "--replay-port", "--wait-subscribers", "--linger",
-               "--namespace", "--component", "--endpoint", "--host", "--base-port",
-               "--replay-base-port", "--start-delay", "--hwm"),
+    "Connection / NATS auth": (
+        "--connect-timeout",
+        "--max-queue",
+        "--nats-user",
+        "--nats-password",
+        "--nats-token",
+        "--nats-creds",
+        "--tls-ca",
+        "--tls-cert",
+        "--tls-key",
+    ),
+    "Target": (
+        "--to",
+        "--format",
+        "--array-layout",
+        "--port-per-worker",
+        "--keep-seq",
+        "--worker-topics",
+        "--replay-port",
+        "--wait-subscribers",
+        "--linger",
+        "--namespace",
+        "--component",
+        "--endpoint",
+        "--host",
+        "--base-port",
+        "--replay-base-port",
+        "--start-delay",
+        "--hwm",
+    ),
     "Filters": ("--type", "--worker"),
     "Stop conditions": ("--count", "--duration", "--idle-timeout", "--requests"),
-    "Output": ("--json", "--hash-format", "--quiet", "--output", "--overwrite", "--append",
-               "--rotate-size", "--rotate-every", "--fsync", "--plot"),
+    "Output": (
+        "--json",
+        "--hash-format",
+        "--quiet",
+        "--output",
+        "--overwrite",
+        "--append",
+        "--rotate-size",
+        "--rotate-every",
+        "--fsync",
+        "--plot",
+    ),
 }
 """Section title -> the long option names it holds, in display order after ``Options``."""
 
@@ -48,8 +81,12 @@ def envvar_of(param: click.Parameter, ctx: click.Context, set_only: bool = False
     for name in names:
         if not set_only or os.environ.get(name):
             return name
-    if isinstance(param, click.Option) and param.allow_from_autoenv and param.name \
-            and ctx.auto_envvar_prefix:
+    if (
+        isinstance(param, click.Option)
+        and param.allow_from_autoenv
+        and param.name
+        and ctx.auto_envvar_prefix
+    ):
         return f"{ctx.auto_envvar_prefix}_{param.name.upper()}"
     return None
 

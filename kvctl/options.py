@@ -54,79 +54,156 @@ class ByteSize(click.ParamType):
 # record, check, ...) or publishing (replay, simulate, bridge's target)
 nats_auth_options = _stack(
     click.option("--nats-user", envvar="KVCTL_NATS_USER", metavar="USER", help="NATS user."),
-    click.option("--nats-password", envvar="KVCTL_NATS_PASSWORD", metavar="PASSWORD",
-                 help="NATS password."),
+    click.option(
+        "--nats-password", envvar="KVCTL_NATS_PASSWORD", metavar="PASSWORD", help="NATS password."
+    ),
     click.option("--nats-token", envvar="KVCTL_NATS_TOKEN", metavar="TOKEN", help="NATS token."),
-    click.option("--nats-creds", envvar="KVCTL_NATS_CREDS", metavar="FILE",
-                 type=click.Path(dir_okay=False), help="NATS credentials file."),
-    click.option("--tls-ca", metavar="FILE", type=click.Path(dir_okay=False),
-                 help="CA certificate for a TLS NATS server."),
-    click.option("--tls-cert", metavar="FILE", type=click.Path(dir_okay=False),
-                 help="Client certificate for NATS mutual TLS."),
-    click.option("--tls-key", metavar="FILE", type=click.Path(dir_okay=False),
-                 help="Client key for NATS mutual TLS."),
+    click.option(
+        "--nats-creds",
+        envvar="KVCTL_NATS_CREDS",
+        metavar="FILE",
+        type=click.Path(dir_okay=False),
+        help="NATS credentials file.",
+    ),
+    click.option(
+        "--tls-ca",
+        metavar="FILE",
+        type=click.Path(dir_okay=False),
+        help="CA certificate for a TLS NATS server.",
+    ),
+    click.option(
+        "--tls-cert",
+        metavar="FILE",
+        type=click.Path(dir_okay=False),
+        help="Client certificate for NATS mutual TLS.",
+    ),
+    click.option(
+        "--tls-key",
+        metavar="FILE",
+        type=click.Path(dir_okay=False),
+        help="Client key for NATS mutual TLS.",
+    ),
 )
 
 source_arguments = _stack(
     click.argument("sources", nargs=-1, required=True, metavar="SOURCE..."),
-    click.option("--subject", "subjects", multiple=True, metavar="SUBJECT",
-                 help="NATS subject to subscribe (repeatable; wildcards allowed). Default: the "
-                      "KV-event subjects of every Dynamo era."),
-    click.option("--from-start", is_flag=True,
-                 help="NATS: read the history of Dynamo's JetStream KV-event streams first."),
-    click.option("--replay-endpoint", "replay_endpoints", multiple=True, metavar="ENDPOINT",
-                 help="Engine replay socket (tcp://HOST:5558) used to fetch missed batches; "
-                      "one per ZMQ source, in the order the sources are given."),
-    click.option("--topic", default="", show_default=False, metavar="PREFIX",
-                 help="ZMQ topic prefix to subscribe to (default: all topics)."),
-    click.option("--connect-timeout", type=click.FloatRange(min=0), default=None,
-                 metavar="SECONDS",
-                 help="Give up (exit 1) when a source is not there within this time, or a NATS "
-                      "server is gone this long. Default: wait without limit, saying so on "
-                      "stderr after 3 s (0 also waits without limit)."),
-    click.option("--max-queue", type=ByteSize(), default="64M", show_default=True,
-                 metavar="SIZE",
-                 help="Memory for messages received but not yet processed, shared by the "
-                      "live sources. When it is full, ZMQ stops reading (the engine's PUB "
-                      "drops: seq gaps) and NATS messages are dropped and counted; both show "
-                      "in the summary."),
+    click.option(
+        "--subject",
+        "subjects",
+        multiple=True,
+        metavar="SUBJECT",
+        help="NATS subject to subscribe (repeatable; wildcards allowed). Default: the "
+        "KV-event subjects of every Dynamo era.",
+    ),
+    click.option(
+        "--from-start",
+        is_flag=True,
+        help="NATS: read the history of Dynamo's JetStream KV-event streams first.",
+    ),
+    click.option(
+        "--replay-endpoint",
+        "replay_endpoints",
+        multiple=True,
+        metavar="ENDPOINT",
+        help="Engine replay socket (tcp://HOST:5558) used to fetch missed batches; "
+        "one per ZMQ source, in the order the sources are given.",
+    ),
+    click.option(
+        "--topic",
+        default="",
+        show_default=False,
+        metavar="PREFIX",
+        help="ZMQ topic prefix to subscribe to (default: all topics).",
+    ),
+    click.option(
+        "--connect-timeout",
+        type=click.FloatRange(min=0),
+        default=None,
+        metavar="SECONDS",
+        help="Give up (exit 1) when a source is not there within this time, or a NATS "
+        "server is gone this long. Default: wait without limit, saying so on "
+        "stderr after 3 s (0 also waits without limit).",
+    ),
+    click.option(
+        "--max-queue",
+        type=ByteSize(),
+        default="64M",
+        show_default=True,
+        metavar="SIZE",
+        help="Memory for messages received but not yet processed, shared by the "
+        "live sources. When it is full, ZMQ stops reading (the engine's PUB "
+        "drops: seq gaps) and NATS messages are dropped and counted; both show "
+        "in the summary.",
+    ),
     nats_auth_options,
 )
 
 filter_options = _stack(
-    click.option("--type", "types", multiple=True,
-                 type=click.Choice(EVENT_TYPES, case_sensitive=False),
-                 help="Only events of this type (repeatable)."),
-    click.option("--worker", "workers", multiple=True, metavar="WORKER",
-                 help="Only events of this worker id or label (repeatable)."),
+    click.option(
+        "--type",
+        "types",
+        multiple=True,
+        type=click.Choice(EVENT_TYPES, case_sensitive=False),
+        help="Only events of this type (repeatable).",
+    ),
+    click.option(
+        "--worker",
+        "workers",
+        multiple=True,
+        metavar="WORKER",
+        help="Only events of this worker id or label (repeatable).",
+    ),
 )
 
 limit_options = _stack(
-    click.option("-c", "--count", type=click.IntRange(min=1), metavar="N",
-                 help="Stop after N events (after filters)."),
-    click.option("--duration", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
-                 help="Stop after this many seconds."),
-    click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True),
-                 metavar="SECONDS", help="Stop when nothing arrived for this many seconds."),
+    click.option(
+        "-c",
+        "--count",
+        type=click.IntRange(min=1),
+        metavar="N",
+        help="Stop after N events (after filters).",
+    ),
+    click.option(
+        "--duration",
+        type=click.FloatRange(min=0, min_open=True),
+        metavar="SECONDS",
+        help="Stop after this many seconds.",
+    ),
+    click.option(
+        "--idle-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        metavar="SECONDS",
+        help="Stop when nothing arrived for this many seconds.",
+    ),
 )
 
 output_options = _stack(
-    click.option("--json", "as_json", is_flag=True,
-                 help="JSON lines on stdout (one object per event); diagnostics stay on stderr."),
-    click.option("--hash-format", type=click.Choice(HASH_STYLES),
-                 default="unsigned", show_default=True,
-                 help="How 64-bit hashes (block, parent, Dynamo tokens_hash) are shown; "
-                      "'string' writes decimal text that jq and pandas keep exact (byte "
-                      "hashes are always hex)."),
+    click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        help="JSON lines on stdout (one object per event); diagnostics stay on stderr.",
+    ),
+    click.option(
+        "--hash-format",
+        type=click.Choice(HASH_STYLES),
+        default="unsigned",
+        show_default=True,
+        help="How 64-bit hashes (block, parent, Dynamo tokens_hash) are shown; "
+        "'string' writes decimal text that jq and pandas keep exact (byte "
+        "hashes are always hex).",
+    ),
     click.option("-q", "--quiet", is_flag=True, help="No diagnostics or summary on stderr."),
 )
 
 
 report_options = _stack(
-    click.option("--json", "as_json", is_flag=True,
-                 help="The final report as one JSON object on stdout."),
-    click.option("-q", "--quiet", is_flag=True, help="No progress, diagnostics or report on "
-                                                     "stderr."),
+    click.option(
+        "--json", "as_json", is_flag=True, help="The final report as one JSON object on stdout."
+    ),
+    click.option(
+        "-q", "--quiet", is_flag=True, help="No progress, diagnostics or report on stderr."
+    ),
 )
 
 
@@ -136,9 +213,14 @@ def nats_options(params: dict[str, Any]) -> NatsOptions:
     from .transports.nats import NatsOptions
 
     return NatsOptions(
-        user=params["nats_user"], password=params["nats_password"], token=params["nats_token"],
-        creds=params["nats_creds"], tls_ca=params["tls_ca"], tls_cert=params["tls_cert"],
-        tls_key=params["tls_key"], connect_timeout=params.get("connect_timeout") or 5.0,
+        user=params["nats_user"],
+        password=params["nats_password"],
+        token=params["nats_token"],
+        creds=params["nats_creds"],
+        tls_ca=params["tls_ca"],
+        tls_cert=params["tls_cert"],
+        tls_key=params["tls_key"],
+        connect_timeout=params.get("connect_timeout") or 5.0,
     )
 
 

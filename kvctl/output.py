@@ -79,8 +79,9 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
         if hashes is not None:
             row["block_hashes"] = present_hashes(hashes, hash_style)
         parent = row["parent_block_hash"]
-        if parent is not None and (hash_style in _TEXT_STYLES or not (
-                type(parent) is int and 0 <= parent < 1 << 63)):
+        if parent is not None and (
+            hash_style in _TEXT_STYLES or not (type(parent) is int and 0 <= parent < 1 << 63)
+        ):
             row["parent_block_hash"] = present_hash(parent, hash_style)
         tokens_hashes = row.get("tokens_hashes")  # Dynamo's u64 per block: a hash too
         if tokens_hashes is not None:
@@ -119,8 +120,18 @@ def _clock(ts: float | None) -> str:
     return datetime.fromtimestamp(ts).strftime("%H:%M:%S.%f")[:-3]
 
 
-_SHOWN_ELSEWHERE = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                    "lora_id", "lora_name", "medium", "worker_id", "dp_rank"}
+_SHOWN_ELSEWHERE = {
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "lora_name",
+    "medium",
+    "worker_id",
+    "dp_rank",
+}
 _STYLE = {"BlockStored": "green", "BlockRemoved": "red", "AllBlocksCleared": "magenta"}
 _MARK = {"BlockStored": "+", "BlockRemoved": "-", "AllBlocksCleared": "x"}
 
@@ -129,8 +140,9 @@ class PrettySink:
     """Readable batches: a header (time, source, seq, worker, format) and one line per event,
     hashes shortened and token ids elided to a count."""
 
-    def __init__(self, console: Any = None, hash_style: str = "unsigned",
-                 max_hashes: int = 3) -> None:
+    def __init__(
+        self, console: Any = None, hash_style: str = "unsigned", max_hashes: int = 3
+    ) -> None:
         from rich.console import Console
 
         class _Console(Console):
@@ -187,8 +199,9 @@ class PrettySink:
             parts.append(f"{len(hashes)} {noun} [{shown}{more}]")
         if "parent_block_hash" in event:
             parent = event["parent_block_hash"]
-            parts.append("parent=" + ("-" if parent is None
-                                      else short_hash(parent, self.hash_style)))
+            parts.append(
+                "parent=" + ("-" if parent is None else short_hash(parent, self.hash_style))
+            )
         tokens = event.get("token_ids")
         if tokens is not None:
             size = event.get("block_size")
@@ -196,8 +209,7 @@ class PrettySink:
             parts.append(f"tokens={count}" + (f" ({size}/block)" if size else ""))
         for key in ("lora_name", "lora_id", "medium"):
             if event.get(key) is not None:
-                parts.append(f"{key.split('_')[0] if key != 'lora_id' else 'lora_id'}="
-                             f"{event[key]}")
+                parts.append(f"{key.split('_')[0] if key != 'lora_id' else 'lora_id'}={event[key]}")
         if "worker_id" in event:
             parts.append(f"worker={event['worker_id']}")
         line.append(" " + " ".join(parts) if parts else "")
@@ -224,8 +236,7 @@ class StderrDiagnostics:
     def __init__(self, console: Any = None, quiet: bool = False) -> None:
         from rich.console import Console
 
-        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True,
-                                          emoji=False)
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
         self.quiet = quiet
 
     def say(self, text: str, style: str = "") -> None:
@@ -239,19 +250,25 @@ class StderrDiagnostics:
         raw = b"|".join(batch.frames)
         preview = raw[:32].hex(" ") + (" …" if len(raw) > 32 else "")
         seq = "" if batch.seq is None else f" seq={batch.seq}"
-        self.say(f"kvctl: malformed message from {batch.source}{seq}: {batch.error} "
-                 f"[{len(raw)} bytes: {preview}]", "red")
+        self.say(
+            f"kvctl: malformed message from {batch.source}{seq}: {batch.error} "
+            f"[{len(raw)} bytes: {preview}]",
+            "red",
+        )
 
     def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None:
         missing = got - expected
-        how = (f"{len(recovered)} recovered from the replay socket" if recovered
-               else "not recovered")
-        self.say(f"kvctl: gap from {_publisher(publisher)}: seq {expected}..{got - 1} missing "
-                 f"({plural(missing, 'batch')}, {how})", "yellow")
+        how = f"{len(recovered)} recovered from the replay socket" if recovered else "not recovered"
+        self.say(
+            f"kvctl: gap from {_publisher(publisher)}: seq {expected}..{got - 1} missing "
+            f"({plural(missing, 'batch')}, {how})",
+            "yellow",
+        )
 
     def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None:
-        self.say(f"kvctl: {kind} from {_publisher(publisher)}: seq {got} after "
-                 f"{expected - 1}", "yellow")  # kind: late arrival, duplicate or restart
+        self.say(
+            f"kvctl: {kind} from {_publisher(publisher)}: seq {got} after {expected - 1}", "yellow"
+        )  # kind: late arrival, duplicate or restart
 
 
 def _publisher(publisher: Any) -> str:

@@ -71,8 +71,7 @@ class Filters:
         if self.types:
             events = [e for e in events if e.get("type") in self.types]
         if self.workers and str(batch.worker_id) not in self.workers:
-            events = [e for e in events if str(e.get("worker_id", batch.worker_id))
-                      in self.workers]
+            events = [e for e in events if str(e.get("worker_id", batch.worker_id)) in self.workers]
         return events
 
 
@@ -120,18 +119,22 @@ class Summary:
 
     def line(self) -> str:
         by_type = ", ".join(f"{k} {v}" for k, v in sorted(self.events.items())) or "none"
-        text = (f"{plural(self.total_events, 'event')} ({by_type}) in "
-                f"{plural(self.batches, 'batch')} from "
-                f"{plural(len(self.publishers), 'publisher')}; gaps {self.gaps} "
-                f"({plural(self.missing, 'batch')} missing, {self.recovered} recovered), "
-                f"duplicates {self.duplicates}, reorders {self.reorders}, "
-                f"malformed {self.malformed}")
+        text = (
+            f"{plural(self.total_events, 'event')} ({by_type}) in "
+            f"{plural(self.batches, 'batch')} from "
+            f"{plural(len(self.publishers), 'publisher')}; gaps {self.gaps} "
+            f"({plural(self.missing, 'batch')} missing, {self.recovered} recovered), "
+            f"duplicates {self.duplicates}, reorders {self.reorders}, "
+            f"malformed {self.malformed}"
+        )
         if self.dropped:
             text += f", dropped {self.dropped:,} (receive queue full, see --max-queue)"
         text += f"; stopped by {self.stopped_by}"
         if self.unprocessed:
-            text += (f", {plural(self.unprocessed, 'received batch', thousands=True)} not "
-                     "processed (queued at exit)")
+            text += (
+                f", {plural(self.unprocessed, 'received batch', thousands=True)} not "
+                "processed (queued at exit)"
+            )
         return text
 
 
@@ -180,7 +183,7 @@ class SeqTracker:
             summary.missing += seq - expected
             gaps = self.open_gaps.setdefault(key, [])
             gaps.append([expected, seq])
-            del gaps[:-self.MAX_OPEN_GAPS]
+            del gaps[: -self.MAX_OPEN_GAPS]
             return expected, seq
         if self.fill(key, seq):
             kind = "late arrival"
@@ -210,7 +213,7 @@ class SeqTracker:
         for i, (first, end) in enumerate(self.open_gaps.get(key, ())):
             if first <= seq < end:
                 gaps = self.open_gaps[key]
-                gaps[i:i + 1] = [r for r in ([first, seq], [seq + 1, end]) if r[0] < r[1]]
+                gaps[i : i + 1] = [r for r in ([first, seq], [seq + 1, end]) if r[0] < r[1]]
                 return True
         return False
 
@@ -281,8 +284,10 @@ class LiveSource:
         self.queue_bytes = (max_queue or zmq_transport.DEFAULT_QUEUE_BYTES) // max(live, 1)
         self.drops_said = False
         if replay_endpoints and len(replay_endpoints) > len(zmq_specs):
-            raise UsageError(f"{len(replay_endpoints)} --replay-endpoint for "
-                             f"{len(zmq_specs)} ZMQ sources; give at most one per ZMQ source")
+            raise UsageError(
+                f"{len(replay_endpoints)} --replay-endpoint for "
+                f"{len(zmq_specs)} ZMQ sources; give at most one per ZMQ source"
+            )
         try:
             for i, spec in enumerate(zmq_specs):
                 sub = zmq_transport.Subscriber(spec.address, topic, self.queue_bytes)
@@ -308,12 +313,18 @@ class LiveSource:
             self.close()
             raise
 
-    def _open_nats(self, spec: SourceSpec, options: Any, subjects: list[str] | None,
-                   from_start: bool) -> None:
+    def _open_nats(
+        self, spec: SourceSpec, options: Any, subjects: list[str] | None, from_start: bool
+    ) -> None:
         from .transports import nats as nats_transport
 
-        sub = nats_transport.Subscriber(spec.address, spec.subjects + list(subjects or []),
-                                        options, from_start, self.queue_bytes)
+        sub = nats_transport.Subscriber(
+            spec.address,
+            spec.subjects + list(subjects or []),
+            options,
+            from_start,
+            self.queue_bytes,
+        )
         self.nats.append(sub)
         self.waiting[sub] = sub.server
         self.by_socket[sub.socket] = ("nats", spec)
@@ -352,9 +363,12 @@ class LiveSource:
                 self._connected(sub, "connected to NATS at")
             elif sub in self.down_since:
                 outage = now - self.down_since.pop(sub)
-                self._say(f"kvctl: {sub.server}: reconnected after {outage:.1f} s (messages "
-                          "published meanwhile are missed; gaps in Dynamo sequence numbers "
-                          "show how many)", "yellow")
+                self._say(
+                    f"kvctl: {sub.server}: reconnected after {outage:.1f} s (messages "
+                    "published meanwhile are missed; gaps in Dynamo sequence numbers "
+                    "show how many)",
+                    "yellow",
+                )
         elif kind == b"down":
             self.down_since[sub] = now
             self._say(f"kvctl: {sub.server}: disconnected ({text}); reconnecting", "yellow")
@@ -371,22 +385,30 @@ class LiveSource:
             sub, address = next(iter(self.waiting.items()))
             if address.startswith(("nats://", "tls://")):
                 why = sub.last_error or "no answer"
-                raise TransportError(f"{address}: cannot connect to NATS after {timeout:g} s "
-                                     f"({why}): is the server running there?")
+                raise TransportError(
+                    f"{address}: cannot connect to NATS after {timeout:g} s "
+                    f"({why}): is the server running there?"
+                )
             why = "connection refused" if sub.refused else "no connection"
-            raise TransportError(f"{address}: {why} after {timeout:g} s: is the engine "
-                                 "publishing there?")
+            raise TransportError(
+                f"{address}: {why} after {timeout:g} s: is the engine publishing there?"
+            )
         if self.waiting and not self.noticed and waited >= self.NOTICE_AFTER_S:
             self.noticed = True
-            self._say(f"kvctl: nothing at {', '.join(self.waiting.values())} yet, waiting; "
-                      "--connect-timeout S to give up", "yellow")
+            self._say(
+                f"kvctl: nothing at {', '.join(self.waiting.values())} yet, waiting; "
+                "--connect-timeout S to give up",
+                "yellow",
+            )
         if timeout is not None:
             for sub, since in self.down_since.items():
                 if now - since >= timeout:
                     self._failed = True
-                    raise TransportError(f"{sub.server}: disconnected for {timeout:g} s "
-                                         f"({sub.last_error or 'no answer'}); giving up "
-                                         "(--connect-timeout)")
+                    raise TransportError(
+                        f"{sub.server}: disconnected for {timeout:g} s "
+                        f"({sub.last_error or 'no answer'}); giving up "
+                        "(--connect-timeout)"
+                    )
 
     def batches(self, poll_ms: int = 100) -> Iterator[Batch | None]:
         from zmq import NOBLOCK, Again
@@ -443,9 +465,12 @@ class LiveSource:
                     yield decode_nats(frames[0].decode(), frames[1], spec.address, time_ns())
                 if nats_sub.dropped and not self.drops_said:
                     self.drops_said = True
-                    self._say(f"kvctl: {nats_sub.server}: receive queue full (--max-queue "
-                              f"{self.queue_bytes / 1e6:g} MB per source): dropping "
-                              "messages, counted in the summary", "yellow")
+                    self._say(
+                        f"kvctl: {nats_sub.server}: receive queue full (--max-queue "
+                        f"{self.queue_bytes / 1e6:g} MB per source): dropping "
+                        "messages, counted in the summary",
+                        "yellow",
+                    )
             if not produced:
                 yield None  # idle, or only connection events: the caller checks its timers
 
@@ -465,24 +490,38 @@ class LiveSource:
             return []
         from .transports.zmq import fetch_replay
 
-        replies, complete = fetch_replay(endpoint, first, timeout=1.0, stop_seq=end - 1,
-                                         first_reply_timeout=self.REPLAY_FIRST_REPLY_S)
+        replies, complete = fetch_replay(
+            endpoint,
+            first,
+            timeout=1.0,
+            stop_seq=end - 1,
+            first_reply_timeout=self.REPLAY_FIRST_REPLY_S,
+        )
         if not replies and not complete:  # no answer at all
             self.replay_silent_until[endpoint] = now + self.REPLAY_BACKOFF_S
             if endpoint not in self.replay_warned:
                 self.replay_warned.add(endpoint)
-                self._say(f"kvctl: replay endpoint {endpoint} does not answer; gaps are not "
-                          f"recovered from it (asked again every {self.REPLAY_BACKOFF_S:.0f} "
-                          "s, without a further word)", "yellow")
+                self._say(
+                    f"kvctl: replay endpoint {endpoint} does not answer; gaps are not "
+                    f"recovered from it (asked again every {self.REPLAY_BACKOFF_S:.0f} "
+                    "s, without a further word)",
+                    "yellow",
+                )
             return []
         out = []
-        spec = next(s for k, s in self.by_socket.values()
-                    if k == "zmq" and s.address == batch.source)
+        spec = next(
+            s for k, s in self.by_socket.values() if k == "zmq" and s.address == batch.source
+        )
         for topic, seq_frame, payload in replies:
             seq = int.from_bytes(seq_frame, "big")
             if first <= seq < end:
-                rb = decode_zmq([topic, seq_frame, payload], batch.source, time.time_ns(),
-                                spec.worker_id, spec.dp_rank)
+                rb = decode_zmq(
+                    [topic, seq_frame, payload],
+                    batch.source,
+                    time.time_ns(),
+                    spec.worker_id,
+                    spec.dp_rank,
+                )
                 rb.recovered = True
                 out.append(rb)
         return out
@@ -493,8 +532,9 @@ class LiveSource:
 
     def unprocessed(self) -> int:
         """Messages received but not processed yet (at exit: discards them while counting)."""
-        return sum(sub.drain() for sub in self.subscribers) + \
-            sum(sub.queued_messages() for sub in self.nats)
+        return sum(sub.drain() for sub in self.subscribers) + sum(
+            sub.queued_messages() for sub in self.nats
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -505,8 +545,7 @@ class LiveSource:
         for sub in self.nats:
             sub.close()
         if self.waiting and not self._failed:  # stopped (--duration, Ctrl-C) while waiting
-            self._say(f"kvctl: never connected to {', '.join(self.waiting.values())}",
-                      "yellow")
+            self._say(f"kvctl: never connected to {', '.join(self.waiting.values())}", "yellow")
 
 
 class Sink(Protocol):
@@ -652,8 +691,12 @@ class Schedule:
         values = sorted(self.lateness)
         n = len(values)
         p99 = values[min(n - 1, int(n * 0.99))]
-        return {"median_ms": values[n // 2] * 1e3, "p99_ms": p99 * 1e3,
-                "max_ms": values[-1] * 1e3, "late_over_1ms": sum(v > 0.001 for v in values)}
+        return {
+            "median_ms": values[n // 2] * 1e3,
+            "p99_ms": p99 * 1e3,
+            "max_ms": values[-1] * 1e3,
+            "late_over_1ms": sum(v > 0.001 for v in values),
+        }
 
 
 class RecordingSource:
@@ -666,8 +709,10 @@ class RecordingSource:
 
         for path in paths:
             if not Path(path).exists():
-                raise UsageError(f"{path}: no such recording (sources are tcp://, ipc://, "
-                                 "nats:// or a recording path)")
+                raise UsageError(
+                    f"{path}: no such recording (sources are tcp://, ipc://, "
+                    "nats:// or a recording path)"
+                )
         self.paths = paths
         self.chunk_rows = chunk_rows
 
@@ -682,4 +727,3 @@ class RecordingSource:
 
     def close(self) -> None:
         pass
-

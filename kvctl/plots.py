@@ -41,8 +41,9 @@ def require_matplotlib() -> None:
         raise KvctlError(MISSING) from None
 
 
-def _figure(title: str, rows: int = 1, height_ratios: list[int] | None = None
-            ) -> tuple[Any, list[Any]]:
+def _figure(
+    title: str, rows: int = 1, height_ratios: list[int] | None = None
+) -> tuple[Any, list[Any]]:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -52,8 +53,9 @@ def _figure(title: str, rows: int = 1, height_ratios: list[int] | None = None
 
     fig = Figure(figsize=(9, 4.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(rows, 1, sharex=True, squeeze=False,
-                        height_ratios=height_ratios)[:, 0].tolist()
+    axes = fig.subplots(rows, 1, sharex=True, squeeze=False, height_ratios=height_ratios)[
+        :, 0
+    ].tolist()
     fig.suptitle(title)
     for ax in axes:
         ax.grid(True, alpha=0.3)
@@ -79,8 +81,10 @@ class _TimeAxis:
         self.wall = t0 is not None and t0 >= WALL_CLOCK_FROM
         # the local zone's offset at the first event (not now: the stream may predate a DST
         # change)
-        local = datetime.datetime.fromtimestamp(t0 if self.wall else 0,  # type: ignore[arg-type]
-                                                datetime.timezone.utc).astimezone()
+        local = datetime.datetime.fromtimestamp(
+            t0 if self.wall else 0,  # type: ignore[arg-type]
+            datetime.timezone.utc,
+        ).astimezone()
         self.tz = local.tzinfo
         self.tz_name = local.tzname() or "local time"
 
@@ -105,8 +109,9 @@ class _TimeAxis:
         ax.set_xlabel(f"time ({self.tz_name})")
 
 
-def _steps(offsets: list[float], values: list[float], width: float) -> tuple[list[float],
-                                                                             list[float]]:
+def _steps(
+    offsets: list[float], values: list[float], width: float
+) -> tuple[list[float], list[float]]:
     """Step-plot points that also draw the last bucket (``where="post"`` alone stops at its
     start)."""
     if not offsets:
@@ -132,8 +137,13 @@ def occupancy_figure(result: dict[str, Any], capacity: int | None = None) -> Any
     handles = ax.get_lines() if len(workers) <= MAX_LEGEND else []
     top = max((max(s.values(), default=0) for s in samples), default=0)
     if capacity:
-        cap = ax.axhline(capacity, color="black", linestyle=":", linewidth=1.4,
-                         label=f"capacity ({capacity:,} blocks per worker)")
+        cap = ax.axhline(
+            capacity,
+            color="black",
+            linestyle=":",
+            linewidth=1.4,
+            label=f"capacity ({capacity:,} blocks per worker)",
+        )
         handles = [*handles, cap]
         top = max(top, capacity)
     if not workers:
@@ -150,8 +160,9 @@ def rates_figure(result: dict[str, Any]) -> Any:
     rates = result["rates"]
     bucket = rates["bucket_s"]
     rows = rates["buckets"]
-    fig, (blocks_ax, events_ax) = _figure(f"Rates ({bucket:g} s buckets)", rows=2,
-                                          height_ratios=[2, 1])
+    fig, (blocks_ax, events_ax) = _figure(
+        f"Rates ({bucket:g} s buckets)", rows=2, height_ratios=[2, 1]
+    )
     blocks_ax.set_ylabel("blocks/s")
     events_ax.set_ylabel("events/s")
     time = _TimeAxis(rates["t0"])
@@ -163,8 +174,9 @@ def rates_figure(result: dict[str, Any]) -> Any:
 
     if rows:
         xs, stored = per_s(2)
-        blocks_ax.fill_between(xs, stored, step="post", color=STORED_STYLE["color"], alpha=0.15,
-                               linewidth=0)
+        blocks_ax.fill_between(
+            xs, stored, step="post", color=STORED_STYLE["color"], alpha=0.15, linewidth=0
+        )
         blocks_ax.step(xs, stored, where="post", label="stored", **STORED_STYLE)
         blocks_ax.step(*per_s(3), where="post", label="removed", **REMOVED_STYLE)
         blocks_ax.legend(loc="upper right", fontsize="small")
@@ -199,8 +211,15 @@ def lifetimes_figure(result: dict[str, Any]) -> Any:
         # a log axis cannot show, is drawn from half its upper edge.
         lefts = [edges[0] if edges[0] > 0 else edges[1] / 2, *edges[1:-1]]
         widths = [r - left for left, r in zip(lefts, edges[1:], strict=True)]
-        ax.bar(lefts, counts, width=widths, align="edge", color="tab:blue",
-               edgecolor="black", linewidth=0.5)
+        ax.bar(
+            lefts,
+            counts,
+            width=widths,
+            align="edge",
+            color="tab:blue",
+            edgecolor="black",
+            linewidth=0.5,
+        )
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(LogLocator(base=10))
         ax.xaxis.set_major_formatter(FuncFormatter(_seconds))
@@ -210,16 +229,18 @@ def lifetimes_figure(result: dict[str, Any]) -> Any:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         for q, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
             if lt.get(q) and lt[q] > 0:
-                ax.axvline(lt[q], linestyle=style, linewidth=1.2, color="black",
-                           label=f"{q} {lt[q]:.3g} s")
+                ax.axvline(
+                    lt[q], linestyle=style, linewidth=1.2, color="black", label=f"{q} {lt[q]:.3g} s"
+                )
         ax.legend(loc="upper right", fontsize="small")
     else:
         _empty(ax, "no block was removed: no lifetimes")
     return fig
 
 
-def write_plots(result: dict[str, Any], directory: str | Path,
-                capacity: int | None = None) -> list[Path]:
+def write_plots(
+    result: dict[str, Any], directory: str | Path, capacity: int | None = None
+) -> list[Path]:
     """Write occupancy.png, rates.png and lifetimes.png into ``directory`` (created)."""
     out = Path(directory)
     try:
@@ -227,9 +248,11 @@ def write_plots(result: dict[str, Any], directory: str | Path,
     except OSError as exc:
         raise KvctlError(f"--plot {directory}: {exc.strerror or exc}") from None
     written = []
-    for name, fig in (("occupancy.png", occupancy_figure(result, capacity)),
-                      ("rates.png", rates_figure(result)),
-                      ("lifetimes.png", lifetimes_figure(result))):
+    for name, fig in (
+        ("occupancy.png", occupancy_figure(result, capacity)),
+        ("rates.png", rates_figure(result)),
+        ("lifetimes.png", lifetimes_figure(result)),
+    ):
         fig.savefig(out / name)
         written.append(out / name)
     return written

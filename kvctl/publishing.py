@@ -15,36 +15,77 @@ from .targets import NATS_FORMATS, ZMQ_FORMATS
 from .text import plural
 
 target_options = [
-    click.option("--to", required=True, metavar="URL",
-                 help="tcp://HOST:PORT or ipc://PATH (a PUB that binds, as an engine does) or "
-                      "nats://HOST:PORT[/SUBJECT] (Dynamo)."),
-    click.option("--format", "encoding", type=click.Choice([*ZMQ_FORMATS, *NATS_FORMATS]),
-                 help="raw (recorded bytes; default for engine batches to ZMQ), vllm, "
-                      "vllm-array, sglang, seed; dynamo (default on NATS), dynamo-json."),
-    click.option("--array-layout", default="0.22", show_default=True,
-                 type=click.Choice(["0.9", "0.10.2", "0.14", "0.17", "0.20", "0.22"]),
-                 help="vLLM release whose array length --format vllm-array writes."),
-    click.option("--port-per-worker", is_flag=True,
-                 help="One PUB per worker on consecutive ports (port + i), like vLLM DP ranks."),
+    click.option(
+        "--to",
+        required=True,
+        metavar="URL",
+        help="tcp://HOST:PORT or ipc://PATH (a PUB that binds, as an engine does) or "
+        "nats://HOST:PORT[/SUBJECT] (Dynamo).",
+    ),
+    click.option(
+        "--format",
+        "encoding",
+        type=click.Choice([*ZMQ_FORMATS, *NATS_FORMATS]),
+        help="raw (recorded bytes; default for engine batches to ZMQ), vllm, "
+        "vllm-array, sglang, seed; dynamo (default on NATS), dynamo-json.",
+    ),
+    click.option(
+        "--array-layout",
+        default="0.22",
+        show_default=True,
+        type=click.Choice(["0.9", "0.10.2", "0.14", "0.17", "0.20", "0.22"]),
+        help="vLLM release whose array length --format vllm-array writes.",
+    ),
+    click.option(
+        "--port-per-worker",
+        is_flag=True,
+        help="One PUB per worker on consecutive ports (port + i), like vLLM DP ranks.",
+    ),
     click.option("--keep-seq", is_flag=True, help="Send the recorded seq instead of a fresh one."),
-    click.option("--worker-topics", metavar="MODEL",
-                 help="All workers on one socket, each message on topic kv@<worker>@MODEL "
-                      "(llm-d's convention; tap reads the worker back from it)."),
-    click.option("--replay-port", type=click.IntRange(1, 65535), metavar="PORT",
-                 help="Serve a vLLM-style replay ROUTER on PORT (+ i per worker)."),
-    click.option("--hwm", type=click.IntRange(min=1), default=100_000, show_default=True,
-                 metavar="MESSAGES",
-                 help="ZMQ send high-water mark per subscriber (vLLM's default); a subscriber "
-                      "this far behind makes sending wait (counted in the report)."),
-    click.option("--wait-subscribers", type=click.IntRange(min=0), default=0, metavar="N",
-                 help="Hold the first batch until N subscribers joined (ZMQ)."),
-    click.option("--linger", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
-                 help="Keep sockets (and the replay ROUTER) open this long after the end."),
+    click.option(
+        "--worker-topics",
+        metavar="MODEL",
+        help="All workers on one socket, each message on topic kv@<worker>@MODEL "
+        "(llm-d's convention; tap reads the worker back from it).",
+    ),
+    click.option(
+        "--replay-port",
+        type=click.IntRange(1, 65535),
+        metavar="PORT",
+        help="Serve a vLLM-style replay ROUTER on PORT (+ i per worker).",
+    ),
+    click.option(
+        "--hwm",
+        type=click.IntRange(min=1),
+        default=100_000,
+        show_default=True,
+        metavar="MESSAGES",
+        help="ZMQ send high-water mark per subscriber (vLLM's default); a subscriber "
+        "this far behind makes sending wait (counted in the report).",
+    ),
+    click.option(
+        "--wait-subscribers",
+        type=click.IntRange(min=0),
+        default=0,
+        metavar="N",
+        help="Hold the first batch until N subscribers joined (ZMQ).",
+    ),
+    click.option(
+        "--linger",
+        type=click.FloatRange(min=0),
+        default=0.0,
+        metavar="SECONDS",
+        help="Keep sockets (and the replay ROUTER) open this long after the end.",
+    ),
     click.option("--namespace", default="dynamo", show_default=True, help="Dynamo namespace."),
-    click.option("--component", default="backend", show_default=True,
-                 help="Dynamo component."),
-    click.option("--endpoint", "dynamo_endpoint", default="generate", show_default=True,
-                 help="Dynamo endpoint."),
+    click.option("--component", default="backend", show_default=True, help="Dynamo component."),
+    click.option(
+        "--endpoint",
+        "dynamo_endpoint",
+        default="generate",
+        show_default=True,
+        help="Dynamo endpoint.",
+    ),
 ]
 """Where and how to send. The NATS credentials are not here: a command adds
 :data:`kvctl.options.nats_auth_options` once (bridge has them with its sources already)."""
@@ -63,17 +104,26 @@ def open_target(params: dict[str, Any], diagnostics: Any = None) -> Any:
     from .targets import open_target as open_url
 
     return open_url(
-        params["to"], params["encoding"], per_worker=params["port_per_worker"],
-        keep_seq=params["keep_seq"], replay_port=params["replay_port"],
-        array_layout=params["array_layout"], worker_topics=params["worker_topics"],
-        hwm=params["hwm"], namespace=params["namespace"], component=params["component"],
-        endpoint=params["dynamo_endpoint"], options=nats_options(params),
+        params["to"],
+        params["encoding"],
+        per_worker=params["port_per_worker"],
+        keep_seq=params["keep_seq"],
+        replay_port=params["replay_port"],
+        array_layout=params["array_layout"],
+        worker_topics=params["worker_topics"],
+        hwm=params["hwm"],
+        namespace=params["namespace"],
+        component=params["component"],
+        endpoint=params["dynamo_endpoint"],
+        options=nats_options(params),
         on_long_stall=stall_warning(diagnostics) if diagnostics is not None else None,
-        notify=transport_notice(diagnostics) if diagnostics is not None else None)
+        notify=transport_notice(diagnostics) if diagnostics is not None else None,
+    )
 
 
 def transport_notice(diagnostics: Any) -> Callable[[str], None]:
     """Outages and reconnections of a NATS target, as they happen."""
+
     def say(line: str) -> None:
         diagnostics.say(line, "yellow")
 
@@ -82,9 +132,13 @@ def transport_notice(diagnostics: Any) -> Callable[[str], None]:
 
 def stall_warning(diagnostics: Any) -> Callable[[float], None]:
     """The line shown (once) when a subscriber that does not read holds the sends."""
+
     def say(seconds: float) -> None:
-        diagnostics.say(f"kvctl: a subscriber has not taken anything for {seconds:.0f} s: "
-                        "sending waits for it (it must read, or disconnect)", "yellow")
+        diagnostics.say(
+            f"kvctl: a subscriber has not taken anything for {seconds:.0f} s: "
+            "sending waits for it (it must read, or disconnect)",
+            "yellow",
+        )
 
     return say
 
@@ -102,11 +156,17 @@ def make_report(sender: Any, elapsed: float, schedule: Any, cpu_s: float) -> dic
     only then)."""
     elapsed = max(elapsed, 1e-9)
     return {
-        "batches": sender.batches, "events": sender.events, "bytes": sender.bytes,
-        "skipped": sender.skipped, "elapsed_s": round(elapsed, 6),
-        "batches_per_s": sender.batches / elapsed, "events_per_s": sender.events / elapsed,
-        "mbps": sender.bytes * 8 / elapsed / 1e6, "lateness": schedule.report(),
-        "cpu_s": round(cpu_s, 3), "cpu_percent": round(100 * cpu_s / elapsed, 1),
+        "batches": sender.batches,
+        "events": sender.events,
+        "bytes": sender.bytes,
+        "skipped": sender.skipped,
+        "elapsed_s": round(elapsed, 6),
+        "batches_per_s": sender.batches / elapsed,
+        "events_per_s": sender.events / elapsed,
+        "mbps": sender.bytes * 8 / elapsed / 1e6,
+        "lateness": schedule.report(),
+        "cpu_s": round(cpu_s, 3),
+        "cpu_percent": round(100 * cpu_s / elapsed, 1),
         "delivery": sender.target.delivery(),
     }
 
@@ -118,19 +178,24 @@ def print_report(report: dict[str, Any], params: dict[str, Any], diagnostics: An
         click.echo(dumps(report))
         return
     late = report["lateness"]
-    lines = [f"Actual: {plural(report['batches'], 'batch')} ({plural(report['events'], 'event')}, "
-             f"{plural(report['bytes'], 'byte', thousands=True)}) sent in "
-             f"{report['elapsed_s']:.3f} s",
-             f"Rated: {report['batches_per_s']:,.1f} batches/s, {report['events_per_s']:,.1f} "
-             f"events/s, {report['mbps']:.3f} Mbps"]
+    lines = [
+        f"Actual: {plural(report['batches'], 'batch')} ({plural(report['events'], 'event')}, "
+        f"{plural(report['bytes'], 'byte', thousands=True)}) sent in "
+        f"{report['elapsed_s']:.3f} s",
+        f"Rated: {report['batches_per_s']:,.1f} batches/s, {report['events_per_s']:,.1f} "
+        f"events/s, {report['mbps']:.3f} Mbps",
+    ]
     if late:
-        lines.append(f"Timing: lateness median {late['median_ms']:.3f} ms, p99 "
-                     f"{late['p99_ms']:.3f} ms, max {late['max_ms']:.3f} ms, "
-                     f"{plural(late['late_over_1ms'], 'send')} later than 1 ms")
+        lines.append(
+            f"Timing: lateness median {late['median_ms']:.3f} ms, p99 "
+            f"{late['p99_ms']:.3f} ms, max {late['max_ms']:.3f} ms, "
+            f"{plural(late['late_over_1ms'], 'send')} later than 1 ms"
+        )
     lines.append(f"CPU: {report['cpu_s']:.2f} s ({report['cpu_percent']:.0f}% of one core)")
     if report.get("skipped"):
-        lines.append(f"Skipped: {plural(report['skipped'], 'malformed message')} (sent only "
-                     "with raw)")
+        lines.append(
+            f"Skipped: {plural(report['skipped'], 'malformed message')} (sent only with raw)"
+        )
     for line in lines:
         diagnostics.say(line)
     say_delivery(report.get("delivery"), report["batches"], diagnostics)
@@ -153,54 +218,114 @@ def delivery_lines(delivery: dict[str, Any] | None, batches: int) -> list[tuple[
 def _zmq_lines(d: dict[str, Any]) -> list[tuple[str, str]]:
     warn = "yellow"
     if d["subscribers_peak"] == 0:
-        return [("kvctl: warning: sent to 0 subscribers: nothing was received "
-                 "(--wait-subscribers N holds the first batch until N joined)", warn)]
+        return [
+            (
+                "kvctl: warning: sent to 0 subscribers: nothing was received "
+                "(--wait-subscribers N holds the first batch until N joined)",
+                warn,
+            )
+        ]
     sockets = f" over {d['sockets']} sockets" if d["sockets"] > 1 else ""
-    lines = [(f"Subscribers: {d['subscribers_at_start']} at start, {d['subscribers_at_end']} at "
-              f"end, {d['subscribers_peak']} at most{sockets}", "")]
+    lines = [
+        (
+            f"Subscribers: {d['subscribers_at_start']} at start, {d['subscribers_at_end']} at "
+            f"end, {d['subscribers_peak']} at most{sockets}",
+            "",
+        )
+    ]
     late = d["subscribers_peak"] - d["subscribers_at_start"]
     if late > 0:
-        lines.append((f"kvctl: warning: {plural(late, 'subscriber')} joined after the first "
-                      "batch and missed what was sent before", warn))
+        lines.append(
+            (
+                f"kvctl: warning: {plural(late, 'subscriber')} joined after the first "
+                "batch and missed what was sent before",
+                warn,
+            )
+        )
     if d["sockets_without_subscribers"]:
-        lines.append((f"kvctl: warning: {d['sockets_without_subscribers']} of {d['sockets']} "
-                      "sockets had no subscriber: their batches were received by nobody", warn))
+        lines.append(
+            (
+                f"kvctl: warning: {d['sockets_without_subscribers']} of {d['sockets']} "
+                "sockets had no subscriber: their batches were received by nobody",
+                warn,
+            )
+        )
     if d["stalls"]:
-        lines.append((f"Back-pressure: a subscriber's queue was full (high-water mark) "
-                      f"{plural(d['stalls'], 'time')}; sending waited {d['stalled_s']:.3f} s "
-                      "in all and dropped nothing", warn))
+        lines.append(
+            (
+                f"Back-pressure: a subscriber's queue was full (high-water mark) "
+                f"{plural(d['stalls'], 'time')}; sending waited {d['stalled_s']:.3f} s "
+                "in all and dropped nothing",
+                warn,
+            )
+        )
     if not d["flushed"]:
-        lines.append((f"kvctl: warning: a subscriber had not taken the last queued batches "
-                      f"{d['flush_timeout_s']:g} s after the end: they may not have been "
-                      "received", warn))
-    lines.append(("Note: a ZMQ PUB cannot tell whether subscribers kept up: it sees them join "
-                  "and leave and when their queue is full, not what they processed", "dim"))
+        lines.append(
+            (
+                f"kvctl: warning: a subscriber had not taken the last queued batches "
+                f"{d['flush_timeout_s']:g} s after the end: they may not have been "
+                "received",
+                warn,
+            )
+        )
+    lines.append(
+        (
+            "Note: a ZMQ PUB cannot tell whether subscribers kept up: it sees them join "
+            "and leave and when their queue is full, not what they processed",
+            "dim",
+        )
+    )
     return lines
 
 
 def _nats_lines(d: dict[str, Any]) -> list[tuple[str, str]]:
     warn = "yellow"
     if d.get("stream"):
-        lines = [(f"JetStream: {d['acked']:,} of {d['acked'] + d['failed'] + d['dropped']:,} "
-                  f"messages acked by stream {d['stream']} ({d['subject']})",
-                  warn if d["failed"] or d["dropped"] else "")]
+        lines = [
+            (
+                f"JetStream: {d['acked']:,} of {d['acked'] + d['failed'] + d['dropped']:,} "
+                f"messages acked by stream {d['stream']} ({d['subject']})",
+                warn if d["failed"] or d["dropped"] else "",
+            )
+        ]
     else:
-        lines = [(f"Published: {plural(d['published'], 'message', thousands=True)} to "
-                  f"{d['server']} ({d['subject']})", "")]
+        lines = [
+            (
+                f"Published: {plural(d['published'], 'message', thousands=True)} to "
+                f"{d['server']} ({d['subject']})",
+                "",
+            )
+        ]
     if d["outages"]:
-        lines.append((f"Outages: the server was away {plural(d['outages'], 'time')}, "
-                      f"{d['outage_s']:.1f} s in all; messages waited in kvctl's queue and were "
-                      "published on reconnection", warn))
+        lines.append(
+            (
+                f"Outages: the server was away {plural(d['outages'], 'time')}, "
+                f"{d['outage_s']:.1f} s in all; messages waited in kvctl's queue and were "
+                "published on reconnection",
+                warn,
+            )
+        )
     if d["failed"]:
-        lines.append((f"kvctl: warning: {plural(d['failed'], 'message')} not published: "
-                      f"{d['failure']}", warn))
+        lines.append(
+            (
+                f"kvctl: warning: {plural(d['failed'], 'message')} not published: {d['failure']}",
+                warn,
+            )
+        )
     if d["dropped"]:
-        lines.append((f"kvctl: warning: {plural(d['dropped'], 'message')} dropped: "
-                      f"{d['drop_reason']}", warn))
+        lines.append(
+            (f"kvctl: warning: {plural(d['dropped'], 'message')} dropped: {d['drop_reason']}", warn)
+        )
     if not d.get("stream"):
-        lost = (" and those in flight when a connection broke are lost unseen"
-                if d["outages"] else "")
-        lines.append(("Note: NATS core delivers only to subscribers present at that moment, "
-                      f"has no acks{lost}: a publisher cannot see its subscribers, check what "
-                      "they counted", "dim"))
+        lost = (
+            " and those in flight when a connection broke are lost unseen" if d["outages"] else ""
+        )
+        lines.append(
+            (
+                "Note: NATS core delivers only to subscribers present at that moment, "
+                f"has no acks{lost}: a publisher cannot see its subscribers, check what "
+                "they counted",
+                "dim",
+            )
+        )
     return lines

@@ -15,10 +15,13 @@ MASK = "***"
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/\s]*)@")
 _SECRET_QUERY = re.compile(
     r"(?P<key>[?&;](?:[\w.-]*(?:pass(?:word)?|passwd|token|secret|creds|nkey|jwt|key))=)"
-    r"(?P<value>[^&;#\s]*)", re.IGNORECASE)
+    r"(?P<value>[^&;#\s]*)",
+    re.IGNORECASE,
+)
 # Options whose value is a secret or the path of one (NATS auth, TLS private key).
 _SECRET_OPTION = re.compile(
-    r"^--[\w-]*(?:password|passwd|token|secret|creds|nkey|jwt|tls-key)$", re.IGNORECASE)
+    r"^--[\w-]*(?:password|passwd|token|secret|creds|nkey|jwt|tls-key)$", re.IGNORECASE
+)
 
 
 def _mask_userinfo(match: re.Match[str]) -> str:

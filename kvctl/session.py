@@ -25,8 +25,9 @@ class Interrupted(KvctlError):
         super().__init__("" if quiet else summary)
 
 
-def open_source(sources: tuple[str, ...] | list[str], quiet: bool = False,
-                **connection: Any) -> Any:
+def open_source(
+    sources: tuple[str, ...] | list[str], quiet: bool = False, **connection: Any
+) -> Any:
     """Recordings, or live sources (returned at once: a missing engine or NATS server is
     waited for while the pipeline runs, with notices on stderr unless ``quiet``)."""
     specs = [SourceSpec.parse(s) for s in sources]
@@ -40,30 +41,50 @@ def open_source(sources: tuple[str, ...] | list[str], quiet: bool = False,
 
 
 def make_filters(params: dict[str, Any]) -> Filters:
-    types = frozenset({"blockstored": "BlockStored", "blockremoved": "BlockRemoved",
-                       "allblockscleared": "AllBlocksCleared"}[t.lower()]
-                      for t in params.get("types") or ())
+    types = frozenset(
+        {
+            "blockstored": "BlockStored",
+            "blockremoved": "BlockRemoved",
+            "allblockscleared": "AllBlocksCleared",
+        }[t.lower()]
+        for t in params.get("types") or ()
+    )
     return Filters(types=types, workers=frozenset(params.get("workers") or ()))
 
 
 def make_limits(params: dict[str, Any]) -> Limits:
-    return Limits(count=params.get("count"), duration=params.get("duration"),
-                  idle_timeout=params.get("idle_timeout"))
+    return Limits(
+        count=params.get("count"),
+        duration=params.get("duration"),
+        idle_timeout=params.get("idle_timeout"),
+    )
 
 
-def stream(params: dict[str, Any], connection: dict[str, Any] | None = None,
-           on_batch: Any = None) -> Summary:
+def stream(
+    params: dict[str, Any], connection: dict[str, Any] | None = None, on_batch: Any = None
+) -> Summary:
     """tap/cat: print events from SOURCEs until a stop condition, then the summary."""
     diagnostics = StderrDiagnostics(quiet=params.get("quiet", False))
     hash_style = params.get("hash_format", "unsigned")
-    sink = JsonLinesSink(hash_style=hash_style) if params.get("as_json") else \
-        PrettySink(hash_style=hash_style)
+    sink = (
+        JsonLinesSink(hash_style=hash_style)
+        if params.get("as_json")
+        else PrettySink(hash_style=hash_style)
+    )
     source = open_source(params["sources"], **(connection or {}))
     summary = Summary()
     try:  # a signal right after the "reading" line still gets the summary
         diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
-        run(source, sink, make_limits(params), make_filters(params), diagnostics,
-            strict=params.get("strict", False), summary=summary, on_batch=on_batch)
+        run(
+            source,
+            sink,
+            make_limits(params),
+            make_filters(params),
+            diagnostics,
+            strict=params.get("strict", False),
+            summary=summary,
+            on_batch=on_batch,
+        )
     except KeyboardInterrupt:
         summary.stopped_by = "interrupt"
         raise Interrupted(summary.line(), params.get("quiet", False)) from None
@@ -135,9 +156,12 @@ class Ticking:
         self.source.close()
 
 
-def read(params: dict[str, Any], consume: Callable[[Batch], Any],
-         tick: Callable[[], bool] | None = None, on_open: Callable[[Any], None] | None = None,
-         ) -> Summary:
+def read(
+    params: dict[str, Any],
+    consume: Callable[[Batch], Any],
+    tick: Callable[[], bool] | None = None,
+    on_open: Callable[[Any], None] | None = None,
+) -> Summary:
     """Open SOURCEs, run them through the tap pipeline into ``consume`` until a stop condition.
 
     ``tick`` runs between batches and at idle polls (return False to stop); ``on_open`` gets
@@ -157,8 +181,15 @@ def read(params: dict[str, Any], consume: Callable[[Batch], Any],
     try:
         if on_open is not None:
             on_open(source)
-        run(Ticking(source, between_batches), feed, make_limits(params),
-            make_filters(params), None, summary=summary, on_batch=feed.on_batch)
+        run(
+            Ticking(source, between_batches),
+            feed,
+            make_limits(params),
+            make_filters(params),
+            None,
+            summary=summary,
+            on_batch=feed.on_batch,
+        )
     except KeyboardInterrupt as exc:
         summary.stopped_by = "interrupt"
         exc.summary = summary  # type: ignore[attr-defined]

@@ -100,8 +100,17 @@ def worker_label(key: WorkerKey) -> str:
 class WorkerCache:
     """The blocks one (worker_id, dp_rank) holds, plus counters that are cheap to keep."""
 
-    __slots__ = ("key", "blocks", "stored_events", "stored_blocks", "removed_events",
-                 "removed_blocks", "cleared", "max_blocks", "lifetimes")
+    __slots__ = (
+        "key",
+        "blocks",
+        "stored_events",
+        "stored_blocks",
+        "removed_events",
+        "removed_blocks",
+        "cleared",
+        "max_blocks",
+        "lifetimes",
+    )
 
     def __init__(self, key: WorkerKey, track_lifetimes: bool = False) -> None:
         self.key = key
@@ -136,8 +145,18 @@ class SeqEvent:
 
 
 class _PublisherSeq:
-    __slots__ = ("last", "last_ts", "missing", "gaps", "missing_total", "duplicates",
-                 "reorders", "resets", "recovered", "batches")
+    __slots__ = (
+        "last",
+        "last_ts",
+        "missing",
+        "gaps",
+        "missing_total",
+        "duplicates",
+        "reorders",
+        "resets",
+        "recovered",
+        "batches",
+    )
 
     def __init__(self) -> None:
         self.last: int | None = None
@@ -249,9 +268,16 @@ class SeqTracker:
     def summary(self) -> dict[str, dict[str, int]]:
         """Per publisher (as a string): batches, gaps, missing, duplicates, reorders, ..."""
         return {
-            str(k): {"batches": p.batches, "last_seq": p.last if p.last is not None else -1,
-                     "gaps": p.gaps, "missing": p.missing_total, "duplicates": p.duplicates,
-                     "reorders": p.reorders, "resets": p.resets, "recovered": p.recovered}
+            str(k): {
+                "batches": p.batches,
+                "last_seq": p.last if p.last is not None else -1,
+                "gaps": p.gaps,
+                "missing": p.missing_total,
+                "duplicates": p.duplicates,
+                "reorders": p.reorders,
+                "resets": p.resets,
+                "recovered": p.recovered,
+            }
             for k, p in self.publishers.items()
         }
 
@@ -265,8 +291,12 @@ class StreamState:
     ``track_sharing`` counts, per hash, how many workers hold it (reuse across workers).
     """
 
-    def __init__(self, strict_parents: bool = False, track_lifetimes: bool = False,
-                 track_sharing: bool = False) -> None:
+    def __init__(
+        self,
+        strict_parents: bool = False,
+        track_lifetimes: bool = False,
+        track_sharing: bool = False,
+    ) -> None:
         self.strict_parents = strict_parents
         self.track_lifetimes = track_lifetimes
         self.workers: dict[WorkerKey, WorkerCache] = {}

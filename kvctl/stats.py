@@ -40,8 +40,12 @@ def lifetime_summary(values: Any) -> dict[str, Any]:
     vals = sorted(v for v in values if math.isfinite(v))
     if not vals:
         return {"count": 0}
-    out: dict[str, Any] = {"count": len(vals), "min": vals[0], "max": vals[-1],
-                           "mean": sum(vals) / len(vals)}
+    out: dict[str, Any] = {
+        "count": len(vals),
+        "min": vals[0],
+        "max": vals[-1],
+        "mean": sum(vals) / len(vals),
+    }
     for q in PERCENTILES:
         out[f"p{q}"] = percentile(vals, q)
     # Power-of-two bucket edges from 1 ms: lifetimes span ms (decode churn) to hours (prefixes).
@@ -67,10 +71,16 @@ class _Counts:
         self.by_type: dict[str, int] = {}
 
     def to_json(self) -> dict[str, Any]:
-        return {"batches": self.batches, "events": self.events, "malformed": self.malformed,
-                "events_by_type": dict(sorted(self.by_type.items())),
-                "blocks_by_type": {BLOCK_STORED: self.stored_blocks,
-                                   BLOCK_REMOVED: self.removed_blocks}}
+        return {
+            "batches": self.batches,
+            "events": self.events,
+            "malformed": self.malformed,
+            "events_by_type": dict(sorted(self.by_type.items())),
+            "blocks_by_type": {
+                BLOCK_STORED: self.stored_blocks,
+                BLOCK_REMOVED: self.removed_blocks,
+            },
+        }
 
 
 class StatsCollector:
@@ -82,8 +92,9 @@ class StatsCollector:
     (reservoir sampling with a fixed seed beyond that: deterministic results).
     """
 
-    def __init__(self, bucket_s: float = 1.0, max_buckets: int = 3600,
-                 max_lifetimes: int = 1_000_000) -> None:
+    def __init__(
+        self, bucket_s: float = 1.0, max_buckets: int = 3600, max_lifetimes: int = 1_000_000
+    ) -> None:
         self.bucket_s = bucket_s
         self.max_buckets = max_buckets
         self.max_lifetimes = max_lifetimes
@@ -189,10 +200,14 @@ class StatsCollector:
         """Merge buckets pairwise: sums for rates, the later sample for occupancy."""
         self.bucket_s *= 2
         rates = self.rates
-        self.rates = [[a + b for a, b in zip(rates[i], rates[i + 1], strict=True)]
-                      if i + 1 < len(rates) else rates[i] for i in range(0, len(rates), 2)]
+        self.rates = [
+            [a + b for a, b in zip(rates[i], rates[i + 1], strict=True)]
+            if i + 1 < len(rates)
+            else rates[i]
+            for i in range(0, len(rates), 2)
+        ]
         for key, wr in self.worker_rates.items():
-            self.worker_rates[key] = [sum(wr[i:i + 2]) for i in range(0, len(wr), 2)]
+            self.worker_rates[key] = [sum(wr[i : i + 2]) for i in range(0, len(wr), 2)]
         # occupancy[i] is the sample of bucket i < _cur; merged bucket i ends with old 2i+1.
         self._cur = max(self._cur // 2, 0) if self._cur >= 0 else -1
         self.occupancy = [self.occupancy[2 * i + 1] for i in range(max(self._cur, 0))]
@@ -261,14 +276,17 @@ class StatsCollector:
             "overall": overall,
             "workers": workers,
             "rates": {
-                "t0": self.t0, "bucket_s": self.bucket_s,
+                "t0": self.t0,
+                "bucket_s": self.bucket_s,
                 "columns": ["batches", "events", "stored_blocks", "removed_blocks"],
                 "buckets": self.rates,
-                "peak_events_per_s": (max(r[1] for r in self.rates) / self.bucket_s
-                                      if self.rates else 0.0),
+                "peak_events_per_s": (
+                    max(r[1] for r in self.rates) / self.bucket_s if self.rates else 0.0
+                ),
             },
             "occupancy": {
-                "t0": self.t0, "bucket_s": self.bucket_s,
+                "t0": self.t0,
+                "bucket_s": self.bucket_s,
                 "samples": [{labels[k]: v for k, v in snap.items()} for snap in occupancy],
             },
             "lifetime_s": lifetime_summary(all_lifetimes),
@@ -277,8 +295,12 @@ class StatsCollector:
                 "extra_stores": state.cross_worker_stores,
             },
             "lora": dict(sorted(self.lora.items())),
-            "medium": {"stored": dict(sorted(self.medium_stored.items())),
-                       "removed": dict(sorted(self.medium_removed.items()))},
-            "gaps": {"publishers": self.seq.summary(),
-                     "ts_backwards": self.seq_irregular["ts-backwards"]},
+            "medium": {
+                "stored": dict(sorted(self.medium_stored.items())),
+                "removed": dict(sorted(self.medium_removed.items())),
+            },
+            "gaps": {
+                "publishers": self.seq.summary(),
+                "ts_backwards": self.seq_irregular["ts-backwards"],
+            },
         }

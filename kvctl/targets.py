@@ -19,8 +19,9 @@ NATS_FORMATS = ("dynamo", "dynamo-json")
 
 def subject_token(name: str) -> str:
     """Dynamo percent-encodes subject segments outside [A-Za-z0-9_-]."""
-    return re.sub(r"[^A-Za-z0-9_-]", lambda m: "".join(f"%{b:02X}" for b in
-                                                          m.group().encode()), name)
+    return re.sub(
+        r"[^A-Za-z0-9_-]", lambda m: "".join(f"%{b:02X}" for b in m.group().encode()), name
+    )
 
 
 def dynamo_subjects(namespace: str, component: str, endpoint: str) -> dict[str, str]:
@@ -104,8 +105,9 @@ class ZmqTarget:
             self.seqs.append(0)
             if self.replay_port is not None:
                 host = self.base if self.port is not None else "tcp://127.0.0.1"
-                self.replays.append(ReplayServer(f"{host}:{self.replay_port + i}",
-                                                 self.buffer_steps))
+                self.replays.append(
+                    ReplayServer(f"{host}:{self.replay_port + i}", self.buffer_steps)
+                )
         return self.sockets[slot]
 
     def slot_for(self, batch: Batch) -> int:
@@ -141,11 +143,14 @@ class ZmqTarget:
                 return [recorded_topic, seq.to_bytes(8, "big"), batch.frames[2]]
             if len(batch.frames) == 1:  # an engine payload relayed on NATS
                 return [topic, seq.to_bytes(8, "big"), batch.frames[0]]
-            raise UsageError(f"--format raw: a {batch.format} message from {batch.source} with"
-                             f" {len(batch.frames)} frames has no recorded payload to send")
+            raise UsageError(
+                f"--format raw: a {batch.format} message from {batch.source} with"
+                f" {len(batch.frames)} frames has no recorded payload to send"
+            )
         ts = batch.ts if batch.ts is not None else time.time()
-        payload = engine_zmq.encode_payload(events, ts, batch.dp_rank, self.encoding,
-                                            self.array_layout)
+        payload = engine_zmq.encode_payload(
+            events, ts, batch.dp_rank, self.encoding, self.array_layout
+        )
         return [topic, seq.to_bytes(8, "big"), payload]
 
     def write(self, batch: Batch, events: list[Event], slot: int | None = None) -> int:
@@ -205,10 +210,13 @@ def recorded_zmq_frames(batch: Batch) -> list[bytes]:
         raise UsageError(
             f"--format raw replays ZMQ messages as they arrived; this recording holds NATS"
             f" messages ({batch.format} on {batch.topic or batch.source}): replay them --to"
-            " nats://HOST:PORT, or re-encode for ZMQ with --format vllm")
+            " nats://HOST:PORT, or re-encode for ZMQ with --format vllm"
+        )
     if not batch.frames:
-        raise UsageError(f"--format raw: a {batch.format} message from {batch.source} was"
-                         " recorded without its frames")
+        raise UsageError(
+            f"--format raw: a {batch.format} message from {batch.source} was"
+            " recorded without its frames"
+        )
     return batch.frames
 
 
@@ -263,8 +271,9 @@ class NatsTarget:
         first_id = self.event_ids.get(worker, 0)
         self.event_ids[worker] = first_id + len(events)
         era = "1.6" if self.encoding == "dynamo" else "0.9"
-        maps = [dynamo.router_event(e, worker, first_id + i, dp_rank, era)
-                for i, e in enumerate(events)]
+        maps = [
+            dynamo.router_event(e, worker, first_id + i, dp_rank, era) for i, e in enumerate(events)
+        ]
         size = 0
         if self.encoding == "dynamo":
             seq = self.sequences.get(worker, 0)
@@ -308,15 +317,22 @@ class RecordingTarget:
     """Engine batches written straight into a recording (no sockets): each worker's messages
     are encoded exactly as its PUB socket would send them, seq per worker from 0."""
 
-    def __init__(self, path: str, encoding: str | None = None,
-                 array_layout: str = engine_zmq.DEFAULT_ARRAY_LAYOUT,
-                 metadata: dict[str, Any] | None = None, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        path: str,
+        encoding: str | None = None,
+        array_layout: str = engine_zmq.DEFAULT_ARRAY_LAYOUT,
+        metadata: dict[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> None:
         from .transports.files import RecordingWriter
 
         encoding = encoding or "vllm"
         if encoding not in engine_zmq.ENGINE_ENCODINGS:
-            raise UsageError(f"--format {encoding} cannot be recorded directly; choose one of "
-                             f"{', '.join(engine_zmq.ENGINE_ENCODINGS)}")
+            raise UsageError(
+                f"--format {encoding} cannot be recorded directly; choose one of "
+                f"{', '.join(engine_zmq.ENGINE_ENCODINGS)}"
+            )
         self.encoding = encoding
         self.array_layout = array_layout
         self.writer = RecordingWriter(path, metadata=metadata, overwrite=overwrite)
@@ -326,8 +342,9 @@ class RecordingTarget:
     def write(self, batch: Batch, events: list[Event], slot: int = 0) -> int:
         seq = self.seqs.get(slot, 0)
         self.seqs[slot] = seq + 1
-        payload = engine_zmq.encode_payload(events, batch.ts, batch.dp_rank, self.encoding,
-                                            self.array_layout)
+        payload = engine_zmq.encode_payload(
+            events, batch.ts, batch.dp_rank, self.encoding, self.array_layout
+        )
         batch.frames = engine_zmq.encode_frames(b"", seq, payload)
         batch.seq = seq
         self.writer.write_message(batch, events)
@@ -352,17 +369,31 @@ def open_target(to: str, encoding: str | None, **kwargs: Any) -> ZmqTarget | Nat
     """``--to`` URL -> a target; the format defaults to ``vllm`` for ZMQ, ``dynamo`` for NATS."""
     if to.startswith(("nats://", "tls://")):
         nats_keys = ("namespace", "component", "endpoint", "subject", "options", "notify")
-        return NatsTarget(to, encoding or "dynamo",
-                          **{k: v for k, v in kwargs.items() if k in nats_keys and v is not None})
+        return NatsTarget(
+            to,
+            encoding or "dynamo",
+            **{k: v for k, v in kwargs.items() if k in nats_keys and v is not None},
+        )
     if to.startswith(("tcp://", "ipc://", "inproc://")):
-        zmq_keys = ("per_worker", "keep_seq", "replay_port", "array_layout", "worker_topics",
-                    "hwm", "on_long_stall")
-        return ZmqTarget(to, encoding or "vllm",
-                         **{k: v for k, v in kwargs.items() if k in zmq_keys and v is not None})
+        zmq_keys = (
+            "per_worker",
+            "keep_seq",
+            "replay_port",
+            "array_layout",
+            "worker_topics",
+            "hwm",
+            "on_long_stall",
+        )
+        return ZmqTarget(
+            to,
+            encoding or "vllm",
+            **{k: v for k, v in kwargs.items() if k in zmq_keys and v is not None},
+        )
     from .redact import redact_url
 
-    raise UsageError(f"--to {redact_url(to)}: expected tcp://HOST:PORT, ipc://PATH or "
-                     "nats://HOST:PORT")
+    raise UsageError(
+        f"--to {redact_url(to)}: expected tcp://HOST:PORT, ipc://PATH or nats://HOST:PORT"
+    )
 
 
 def salt_hashes(event: Event, salt: int) -> Event:
@@ -390,8 +421,10 @@ def salt_hashes(event: Event, salt: int) -> Event:
             hashes = event["block_hashes"] or ()
             tokens = event["token_ids"]
             size = event.get("block_size") or (len(tokens) // len(hashes) if hashes else 0)
-            given = [dynamo.tokens_hash(tokens[i * size:(i + 1) * size], event.get("lora_name"))
-                     for i in range(len(hashes))]
+            given = [
+                dynamo.tokens_hash(tokens[i * size : (i + 1) * size], event.get("lora_name"))
+                for i in range(len(hashes))
+            ]
         if given:
             out["tokens_hashes"] = [mix(h) for h in given]
     return out
@@ -412,11 +445,14 @@ class Sender:
             events = [salt_hashes(e, self.salt) for e in events]
         if isinstance(self.target, ZmqTarget):
             raw_ok = events is batch.events and not self.salt
-            wanted = self.encoding or ("raw" if raw_ok and batch.format.startswith("engine")
-                                       else "vllm")
+            wanted = self.encoding or (
+                "raw" if raw_ok and batch.format.startswith("engine") else "vllm"
+            )
             if wanted == "raw" and not raw_ok:
-                raise UsageError("--format raw sends recorded bytes unchanged: it cannot be "
-                                 "combined with filters, -c or --unique-hashes")
+                raise UsageError(
+                    "--format raw sends recorded bytes unchanged: it cannot be "
+                    "combined with filters, -c or --unique-hashes"
+                )
             self.target.encoding = wanted
         self.bytes += self.target.write(batch, events)
         self.batches += 1
@@ -427,8 +463,12 @@ class Sender:
         """Send a malformed message's frames exactly as recorded (raw ZMQ replay only; the
         default format sends those of ZMQ messages and skips NATS ones, ``--format raw``
         refuses NATS ones, see :func:`recorded_zmq_frames`)."""
-        if (isinstance(self.target, ZmqTarget) and self.encoding in (None, "raw")
-                and batch.frames and (self.encoding == "raw" or not from_nats(batch))):
+        if (
+            isinstance(self.target, ZmqTarget)
+            and self.encoding in (None, "raw")
+            and batch.frames
+            and (self.encoding == "raw" or not from_nats(batch))
+        ):
             frames = recorded_zmq_frames(batch)
             self.target.socket(self.target.slot_for(batch)).send(frames)
             self.bytes += sum(map(len, frames))

@@ -33,16 +33,28 @@ def kvctl_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvctl", *args]
 
 
-def run_kvctl(*args: str, timeout: float = 30, env: dict | None = None,
-              input: bytes | None = None) -> subprocess.CompletedProcess:
+def run_kvctl(
+    *args: str, timeout: float = 30, env: dict | None = None, input: bytes | None = None
+) -> subprocess.CompletedProcess:
     """Run kvctl to completion; bounded in time."""
-    return subprocess.run(kvctl_cmd(*args), capture_output=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, input=input, cwd=REPO)
+    return subprocess.run(
+        kvctl_cmd(*args),
+        capture_output=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        input=input,
+        cwd=REPO,
+    )
 
 
 def start_kvctl(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(kvctl_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, **(env or {})}, cwd=REPO)
+    return subprocess.Popen(
+        kvctl_cmd(*args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 20) -> tuple[int, str, str]:
@@ -53,7 +65,8 @@ def finish(proc: subprocess.Popen, timeout: float = 20) -> tuple[int, str, str]:
         proc.kill()
         out, err = proc.communicate()
         raise AssertionError(
-            f"kvctl did not stop within {timeout}s; stderr: {err.decode()}") from None
+            f"kvctl did not stop within {timeout}s; stderr: {err.decode()}"
+        ) from None
     return proc.returncode, out.decode(), err.decode()
 
 
@@ -114,8 +127,20 @@ class NatsServer:
         self.port = port or free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-             "-sd", str(store), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                nats_server_binary(),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                str(store),
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -170,9 +195,17 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def stored(hashes, parent=None, block_size=4, **extra) -> dict:
-    return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
-            "token_ids": list(range(block_size * len(hashes))), "block_size": block_size,
-            "lora_id": None, "medium": "GPU", "lora_name": None, **extra}
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(hashes),
+        "parent_block_hash": parent,
+        "token_ids": list(range(block_size * len(hashes))),
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        **extra,
+    }
 
 
 def removed(hashes) -> dict:
@@ -197,8 +230,11 @@ class Engine:
     def batch(self, events, topic: bytes = b"", seq: int | None = None, dp_rank=0) -> list:
         from kvctl.formats.engine_zmq import encode_frames, encode_payload
 
-        frames = encode_frames(topic, self.seq if seq is None else seq,
-                               encode_payload(events, 1_700_000_000.5, dp_rank, self.encoding))
+        frames = encode_frames(
+            topic,
+            self.seq if seq is None else seq,
+            encode_payload(events, 1_700_000_000.5, dp_rank, self.encoding),
+        )
         self.seq = (self.seq if seq is None else seq) + 1
         return frames
 

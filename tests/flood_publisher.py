@@ -19,9 +19,16 @@ from kvctl.formats.engine_zmq import encode_frames, encode_payload
 
 
 def events_of_about(kilobytes: int) -> list[dict]:
-    event = {"type": "BlockStored", "block_hashes": list(range(2**40, 2**40 + 16)),
-             "parent_block_hash": 2**41, "token_ids": list(range(30_000, 30_256)),
-             "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+    event = {
+        "type": "BlockStored",
+        "block_hashes": list(range(2**40, 2**40 + 16)),
+        "parent_block_hash": 2**41,
+        "token_ids": list(range(30_000, 30_256)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
     one = len(encode_payload([event], 1.0, 0, "vllm"))
     return [event] * max(1, kilobytes * 1024 // one)
 

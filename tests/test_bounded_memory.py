@@ -22,8 +22,9 @@ from conftest import (
     start_kvctl,
 )
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(),
-                                reason="peak memory is read from /proc (Linux)")
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/status").exists(), reason="peak memory is read from /proc (Linux)"
+)
 
 RSS_LIMIT_KB = 300_000
 FLOOD_S = 3.0
@@ -50,12 +51,19 @@ def flood(*kvctl_args: str, timeout: float = 90) -> tuple[int, int, str]:
     discarded); returns (peak RSS in kB, batches sent, kvctl's stderr)."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     engine = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "flood_publisher.py"), endpoint, str(FLOOD_S),
-         "64"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO)
+        [sys.executable, str(REPO / "tests" / "flood_publisher.py"), endpoint, str(FLOOD_S), "64"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+    )
     try:
         assert read_line(engine.stdout).strip() == "ready"
-        proc = subprocess.Popen(kvctl_cmd(*kvctl_args, endpoint, "--idle-timeout", "2"),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+        proc = subprocess.Popen(
+            kvctl_cmd(*kvctl_args, endpoint, "--idle-timeout", "2"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=REPO,
+        )
         peak = 0
         deadline = time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:
@@ -82,8 +90,9 @@ def test_a_flood_of_64kb_batches_stays_bounded_and_accounted(tmp_path, command):
     assert received + missing == sent, summary  # every batch is received or counted lost
     assert peak_kb < RSS_LIMIT_KB, f"peak RSS {peak_kb / 1000:.0f} MB; {summary}"
     if command[0] == "record":  # the recording says the same: every batch, every gap
-        back = subprocess.run(kvctl_cmd("cat", args[-1], "--json"), capture_output=True,
-                              cwd=REPO, timeout=60)
+        back = subprocess.run(
+            kvctl_cmd("cat", args[-1], "--json"), capture_output=True, cwd=REPO, timeout=60
+        )
         read_back = back.stderr.decode().strip().splitlines()[-1]
         assert count(r" in ([\d,]+) batch", read_back) == received, read_back
         assert count(r"\(([\d,]+) batch(?:es)? missing", read_back) == missing, read_back

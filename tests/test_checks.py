@@ -21,9 +21,17 @@ BS = 4
 def stored(hashes, parent=None, size=BS, tokens=None, **extra):
     if tokens is None:
         tokens = list(range(size * len(hashes)))
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-            "token_ids": tokens, "block_size": size, "lora_id": None, "medium": "GPU",
-            "lora_name": None, **extra}
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": size,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        **extra,
+    }
 
 
 def removed(hashes):
@@ -31,9 +39,16 @@ def removed(hashes):
 
 
 def mk(events, seq=0, ts=None, source=SRC, **kw) -> Batch:
-    return Batch(source=source, events=events, format="engine-map", seq=seq,
-                 ts=float(seq) if ts is None else ts, recv_ns=(seq + 1) * 10**9,
-                 publisher=source, **kw)
+    return Batch(
+        source=source,
+        events=events,
+        format="engine-map",
+        seq=seq,
+        ts=float(seq) if ts is None else ts,
+        recv_ns=(seq + 1) * 10**9,
+        publisher=source,
+        **kw,
+    )
 
 
 def stream(*event_lists, source=SRC):
@@ -81,8 +96,9 @@ def test_clean_engine_streams_are_not_flagged(encoding):
     batches = []
     for seq, evs in enumerate(engine_workload()):
         payload = engine_zmq.encode_payload(evs, ts=100.0 + seq, dp_rank=0, encoding=encoding)
-        batches.append(decode_zmq(engine_zmq.encode_frames(b"", seq, payload), SRC,
-                                  recv_ns=seq * 10**6))
+        batches.append(
+            decode_zmq(engine_zmq.encode_frames(b"", seq, payload), SRC, recv_ns=seq * 10**6)
+        )
     report = run(batches, sources=[SRC], block_size=BS, num_blocks=40, expect_workers=1)
     assert report.rule_ids == set(), report.to_json()
     assert not report.has_errors
@@ -92,10 +108,10 @@ def test_clean_engine_streams_are_not_flagged(encoding):
 def test_clean_dynamo_stream_is_not_flagged():
     batches = []
     for seq, evs in enumerate(engine_workload(seed=2)):
-        rev = [dynamo.router_event(e, worker_id=7, event_id=i, dp_rank=0)
-               for i, e in enumerate(evs)]
-        data = dynamo.encode_envelope(rev, publisher_id=3, sequence=seq,
-                                      published_at_ms=1000 + seq)
+        rev = [
+            dynamo.router_event(e, worker_id=7, event_id=i, dp_rank=0) for i, e in enumerate(evs)
+        ]
+        data = dynamo.encode_envelope(rev, publisher_id=3, sequence=seq, published_at_ms=1000 + seq)
         batches.append(decode_nats("namespace.ns.component.c.kv-events", data, "nats://n"))
     report = run(batches, num_blocks=40, expect_workers=1)
     assert report.rule_ids == set(), report.to_json()
@@ -103,6 +119,7 @@ def test_clean_dynamo_stream_is_not_flagged():
 
 
 # --- one broken stream per rule ----------------------------------------------------------------
+
 
 def _orphans():
     return stream(*[[stored([i + 1])] for i in range(20)])
@@ -168,7 +185,13 @@ def test_example_details():
     report = run(stream([stored([1])], [removed([(1 << 64) - 1])]))
     f = report.get("KV101").examples[0]
     assert (f.rule, f.name, f.severity, f.source, f.seq, f.ts) == (
-        "KV101", "remove-unknown-block", ERROR, SRC, 1, 1.0)
+        "KV101",
+        "remove-unknown-block",
+        ERROR,
+        SRC,
+        1,
+        1.0,
+    )
     assert f.to_json()["hash"] == (1 << 64) - 1
     assert f.worker == f"{SRC}[dp0]"
     r = report.to_json()
@@ -179,6 +202,7 @@ def test_example_details():
 def test_unknown_fields_are_named_and_array_extras_count():
     payload = engine_zmq.encode_payload([stored([1])], ts=1.0, encoding="vllm-array")
     import msgpack
+
     obj = msgpack.unpackb(payload)
     obj[1][0].append("surprise")  # a 13th array element: a future vLLM field
     b = decode_zmq(engine_zmq.encode_frames(b"", 0, msgpack.packb(obj)), SRC)
@@ -200,8 +224,13 @@ def test_feed_returns_live_findings_capped_per_rule():
 
 
 def test_recovered_batches_fill_gaps():
-    batches = [mk([], seq=0), mk([], seq=3), mk([], seq=1, recovered=True),
-               mk([], seq=2, recovered=True), mk([], seq=4)]
+    batches = [
+        mk([], seq=0),
+        mk([], seq=3),
+        mk([], seq=1, recovered=True),
+        mk([], seq=2, recovered=True),
+        mk([], seq=4),
+    ]
     report = run(batches)
     assert report.rule_ids == {"KV301"}
     assert report.get("KV301").details == {"missing_batches": 2, "recovered_batches": 2}
@@ -221,8 +250,7 @@ def test_missing_parent_heuristic_spares_chained_single_block_stores():
 
 
 def test_capacity_counts_each_crossing():
-    report = run(stream([stored([1, 2, 3])], [removed([3])], [stored([4], parent=2)]),
-                 num_blocks=2)
+    report = run(stream([stored([1, 2, 3])], [removed([3])], [stored([4], parent=2)]), num_blocks=2)
     assert report.get("KV104").count == 2
 
 
@@ -235,27 +263,45 @@ def test_severities_are_known():
 
 # --- robustness ---------------------------------------------------------------------------------
 
-junk = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(1 << 80), max_value=1 << 80),
-                 st.floats(), st.text(max_size=5), st.binary(max_size=33))
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(1 << 80), max_value=1 << 80),
+    st.floats(),
+    st.text(max_size=5),
+    st.binary(max_size=33),
+)
 hashes = st.one_of(st.lists(junk, max_size=4), junk)
 events = st.one_of(
     st.fixed_dictionaries(
         {"type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "X", 3])},
-        optional={"block_hashes": hashes, "parent_block_hash": junk,
-                  "token_ids": st.one_of(st.lists(st.integers(0, 9), max_size=20), junk),
-                  "block_size": st.one_of(st.integers(-2, 20), junk),
-                  "group_idx": st.one_of(junk, st.lists(junk, max_size=2)),
-                  "worker_id": st.one_of(junk, st.lists(junk, max_size=2)),
-                  "dp_rank": junk, "extra": junk}),
+        optional={
+            "block_hashes": hashes,
+            "parent_block_hash": junk,
+            "token_ids": st.one_of(st.lists(st.integers(0, 9), max_size=20), junk),
+            "block_size": st.one_of(st.integers(-2, 20), junk),
+            "group_idx": st.one_of(junk, st.lists(junk, max_size=2)),
+            "worker_id": st.one_of(junk, st.lists(junk, max_size=2)),
+            "dp_rank": junk,
+            "extra": junk,
+        },
+    ),
     junk,
 )
 batches = st.builds(
-    Batch, source=st.sampled_from(["a", "b"]), events=st.lists(events, max_size=6),
-    format=st.just("x"), seq=st.one_of(st.none(), st.integers(-3, 8)),
-    ts=st.one_of(st.none(), st.floats()), recv_ns=st.integers(0, 10**10),
-    worker_id=junk, dp_rank=st.one_of(st.none(), st.integers(0, 3)),
-    error=st.one_of(st.none(), st.text(max_size=3)), recovered=st.booleans(),
-    publisher=st.one_of(st.none(), junk, st.lists(junk, max_size=2)))
+    Batch,
+    source=st.sampled_from(["a", "b"]),
+    events=st.lists(events, max_size=6),
+    format=st.just("x"),
+    seq=st.one_of(st.none(), st.integers(-3, 8)),
+    ts=st.one_of(st.none(), st.floats()),
+    recv_ns=st.integers(0, 10**10),
+    worker_id=junk,
+    dp_rank=st.one_of(st.none(), st.integers(0, 3)),
+    error=st.one_of(st.none(), st.text(max_size=3)),
+    recovered=st.booleans(),
+    publisher=st.one_of(st.none(), junk, st.lists(junk, max_size=2)),
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -90,8 +90,18 @@ def test_json_report_is_one_object(engine):
 
 
 def test_clean_stream_exits_0(engine):
-    proc = start_kvctl("check", engine.endpoint, "--block-size", "4", "--num-blocks", "4",
-                       "--expect-workers", "1", "-c", "6")
+    proc = start_kvctl(
+        "check",
+        engine.endpoint,
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "4",
+        "--expect-workers",
+        "1",
+        "-c",
+        "6",
+    )
     engine.wait_for()
     engine.send([stored([1, 2])])
     engine.send([stored([3], parent=2), removed([1])])
@@ -135,8 +145,17 @@ def test_expected_worker_silent_is_reported_within_idle_timeout(endpoint):
     talker, silent = Engine(endpoint), Engine(f"tcp://127.0.0.1:{free_port()}")
     lines: list[tuple[float, str]] = []
     try:
-        proc = start_kvctl("check", f"0={talker.endpoint}", f"1={silent.endpoint}",
-                           "--expect-workers", "2", "--idle-timeout", "1", "--duration", "3.5")
+        proc = start_kvctl(
+            "check",
+            f"0={talker.endpoint}",
+            f"1={silent.endpoint}",
+            "--expect-workers",
+            "2",
+            "--idle-timeout",
+            "1",
+            "--duration",
+            "3.5",
+        )
         talker.wait_for()
         silent.wait_for()
 
@@ -170,8 +189,16 @@ def test_expected_worker_silent_is_reported_within_idle_timeout(endpoint):
 def test_worker_filter_checks_only_that_worker(endpoint):
     good, bad = Engine(endpoint), Engine(f"tcp://127.0.0.1:{free_port()}")
     try:
-        proc = start_kvctl("check", f"0={good.endpoint}", f"1={bad.endpoint}", "--worker", "0",
-                           "--json", "--idle-timeout", "1")
+        proc = start_kvctl(
+            "check",
+            f"0={good.endpoint}",
+            f"1={bad.endpoint}",
+            "--worker",
+            "0",
+            "--json",
+            "--idle-timeout",
+            "1",
+        )
         good.wait_for()
         bad.wait_for()
         bad.send([removed([42])], dp_rank=None)  # KV101, but filtered out
@@ -194,17 +221,28 @@ def test_unreachable_source_is_a_runtime_error():
 
 def test_feed_hands_over_every_batch_once_with_selected_events():
     # the Feed contract the three commands rely on, through the real pipeline
-    batches = [Batch("s", [stored([1]), removed([1])], "x", seq=0, publisher="s"),
-               Batch("s", [removed([2])], "x", seq=1, publisher="s"),
-               Batch("s", [], "x", seq=2, publisher="s", error="bad"),
-               Batch("s", [stored([3]), stored([4])], "x", seq=3, publisher="s")]
+    batches = [
+        Batch("s", [stored([1]), removed([1])], "x", seq=0, publisher="s"),
+        Batch("s", [removed([2])], "x", seq=1, publisher="s"),
+        Batch("s", [], "x", seq=2, publisher="s", error="bad"),
+        Batch("s", [stored([3]), stored([4])], "x", seq=3, publisher="s"),
+    ]
     seen: list[Batch] = []
     feed = Feed(seen.append)
-    run(type("Src", (), {"batches": lambda self: iter(batches)})(), feed, Limits(count=2),
-        Filters(types=frozenset({"BlockStored"})), on_batch=feed.on_batch)
+    run(
+        type("Src", (), {"batches": lambda self: iter(batches)})(),
+        feed,
+        Limits(count=2),
+        Filters(types=frozenset({"BlockStored"})),
+        on_batch=feed.on_batch,
+    )
     feed.close()
     assert [(b.seq, [e["type"] for e in b.events], b.error) for b in seen] == [
-        (0, ["BlockStored"], None), (1, [], None), (2, [], "bad"), (3, ["BlockStored"], None)]
+        (0, ["BlockStored"], None),
+        (1, [], None),
+        (2, [], "bad"),
+        (3, ["BlockStored"], None),
+    ]
 
 
 def test_help_lists_rules_and_example():
@@ -237,11 +275,19 @@ def wrong_block_size_recording(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("max_examples", [1, 7])
 def test_text_report_prints_max_examples_per_rule(wrong_block_size_recording, max_examples):
-    result = run_main("check", wrong_block_size_recording, "--block-size", "8", "-q",
-                      "--max-examples", str(max_examples))
+    result = run_main(
+        "check",
+        wrong_block_size_recording,
+        "--block-size",
+        "8",
+        "-q",
+        "--max-examples",
+        str(max_examples),
+    )
     assert result.code == 3, result.err
     examples = [line for line in result.out.splitlines() if line.startswith("  KV202 error")]
     assert len(examples) == max_examples, result.out
-    total = json.loads(run_main("check", wrong_block_size_recording, "--block-size", "8", "-q",
-                                "--json").out)["rules"][0]["count"]
+    total = json.loads(
+        run_main("check", wrong_block_size_recording, "--block-size", "8", "-q", "--json").out
+    )["rules"][0]["count"]
     assert f"KV202: … {total - max_examples} more" in result.out

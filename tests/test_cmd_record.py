@@ -29,8 +29,7 @@ def rows_of(out: str) -> list[dict]:
 
 
 def record_until(engine, path: Path, send, *extra: str) -> tuple[int, str, str]:
-    proc = start_kvctl("record", engine.endpoint, "-o", str(path), "--idle-timeout", "1.5",
-                       *extra)
+    proc = start_kvctl("record", engine.endpoint, "-o", str(path), "--idle-timeout", "1.5", *extra)
     engine.wait_for()
     send()
     return finish(proc, timeout=60)
@@ -47,9 +46,21 @@ def test_record_then_cat_round_trips_every_engine_shape(engine, tmp_path):
         engine.encoding = "sglang"
         engine.send([stored([7, 8], parent=5)])
         engine.encoding = "vllm"
-        engine.send([{"type": "BlockStored", "block_hashes": [h32], "parent_block_hash": None,
-                      "token_ids": [[1, 2], [3, 4]], "block_size": 2, "lora_id": 3,
-                      "medium": "CPU", "lora_name": "ad"}, {"type": "AllBlocksCleared"}])
+        engine.send(
+            [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [h32],
+                    "parent_block_hash": None,
+                    "token_ids": [[1, 2], [3, 4]],
+                    "block_size": 2,
+                    "lora_id": 3,
+                    "medium": "CPU",
+                    "lora_name": "ad",
+                },
+                {"type": "AllBlocksCleared"},
+            ]
+        )
         engine.send_raw([b"", (5).to_bytes(8, "big"), b"\xc1garbage"])
         engine.send([removed([9])], seq=9)  # seq 5 was malformed, 6..8 never sent: a gap
 
@@ -59,9 +70,16 @@ def test_record_then_cat_round_trips_every_engine_shape(engine, tmp_path):
     tapped = run_kvctl("cat", str(path), "--json")
     assert tapped.returncode == 0, tapped.stderr
     rows = rows_of(tapped.stdout.decode())
-    assert [r["type"] for r in rows] == ["BlockStored", "BlockRemoved", "BlockStored",
-                                         "BlockStored", "BlockStored", "BlockStored",
-                                         "AllBlocksCleared", "BlockRemoved"]
+    assert [r["type"] for r in rows] == [
+        "BlockStored",
+        "BlockRemoved",
+        "BlockStored",
+        "BlockStored",
+        "BlockStored",
+        "BlockStored",
+        "AllBlocksCleared",
+        "BlockRemoved",
+    ]
     assert rows[0]["extra_keys"] == [["img", 1]] and rows[0]["group_idx"] == 0
     assert rows[1]["block_hashes"] == [2**64 - 3]
     assert rows[2]["format"] == "engine-array" and rows[2]["parent_block_hash"] == 2
@@ -93,21 +111,40 @@ def test_record_nats_dynamo_formats(nats_server, tmp_path):
     path = tmp_path / "dyn.parquet"
     proc = start_kvctl("record", nats_server.url, "-o", str(path), "-c", "3")
     wait_ready_record(proc)
-    ev = {"type": "BlockStored", "block_hashes": [2**64 - 1], "parent_block_hash": None,
-          "token_ids": [1, 2, 3, 4], "block_size": 4}
-    publish(nats_server.url, [
-        ("namespace.n.component.c.endpoint.e.kv-events",
-         encode_envelope([router_event(ev, 5, 0)], 5, 0, 1000)),
-        ("namespace-n-component-c-kv-events.kv-events",
-         encode_json(router_event({"type": "BlockRemoved", "block_hashes": [2**64 - 1]}, 5, 1))),
-        ("namespace.n.component.c.kv_events", encode_json(router_event(
-            {"type": "AllBlocksCleared"}, 6, 2)))])
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [2**64 - 1],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 4,
+    }
+    publish(
+        nats_server.url,
+        [
+            (
+                "namespace.n.component.c.endpoint.e.kv-events",
+                encode_envelope([router_event(ev, 5, 0)], 5, 0, 1000),
+            ),
+            (
+                "namespace-n-component-c-kv-events.kv-events",
+                encode_json(
+                    router_event({"type": "BlockRemoved", "block_hashes": [2**64 - 1]}, 5, 1)
+                ),
+            ),
+            (
+                "namespace.n.component.c.kv_events",
+                encode_json(router_event({"type": "AllBlocksCleared"}, 6, 2)),
+            ),
+        ],
+    )
     rc, out, err = finish(proc, timeout=30)
     assert rc == 0, err
     rows = rows_of(run_kvctl("cat", str(path), "--json").stdout.decode())
     assert [(r["type"], r["worker_id"], r["format"]) for r in rows] == [
-        ("BlockStored", 5, "dynamo-msgpack"), ("BlockRemoved", 5, "dynamo-json"),
-        ("AllBlocksCleared", 6, "dynamo-json")]
+        ("BlockStored", 5, "dynamo-msgpack"),
+        ("BlockRemoved", 5, "dynamo-json"),
+        ("AllBlocksCleared", 6, "dynamo-json"),
+    ]
     assert rows[0]["block_hashes"] == [2**64 - 1] and rows[0]["tokens_hashes"]
 
 
@@ -220,8 +257,17 @@ def test_partly_recovered_gap_records_only_what_stayed_missing(engine, tmp_path)
     path = tmp_path / "gap.parquet"
     replay = ReplayServer(f"tcp://127.0.0.1:{free_port()}")
     try:
-        proc = start_kvctl("record", engine.endpoint, "--replay-endpoint", replay.endpoint,
-                           "-o", str(path), "-c", "4", "-q")
+        proc = start_kvctl(
+            "record",
+            engine.endpoint,
+            "--replay-endpoint",
+            replay.endpoint,
+            "-o",
+            str(path),
+            "-c",
+            "4",
+            "-q",
+        )
         engine.wait_for()
         for seq in range(6):
             frames = engine.batch([removed([seq])], seq=seq)
@@ -241,8 +287,12 @@ def test_partly_recovered_gap_records_only_what_stayed_missing(engine, tmp_path)
 
 def test_unwritable_output_is_a_clear_error(tmp_path):
     recording = tmp_path / "in.parquet"
-    assert run_kvctl("simulate", "-o", str(recording), "--workers", "1", "--requests", "3",
-                     "-q").returncode == 0
+    assert (
+        run_kvctl(
+            "simulate", "-o", str(recording), "--workers", "1", "--requests", "3", "-q"
+        ).returncode
+        == 0
+    )
     for target in (tmp_path / "missing-dir" / "x.parquet", "/proc/x.parquet"):
         result = run_kvctl("record", str(recording), "-o", str(target), "-q")
         assert result.returncode == 1, result.stderr

@@ -33,8 +33,14 @@ def make_recording(path, batches: int = 50) -> list:
         frames = encode_frames(b"", i // 2, encode_payload(events, t0 / 1e9 + i * 0.02, 0))
         writer.write(decode_zmq(frames, f"tcp://w{worker}", t0 + i * STEP_NS, worker_id=worker))
         if i == 10:
-            writer.write(decode_zmq([b"", (99).to_bytes(8, "big"), b"\xc1"], "tcp://w0",
-                                    t0 + i * STEP_NS + 1, worker_id=0))
+            writer.write(
+                decode_zmq(
+                    [b"", (99).to_bytes(8, "big"), b"\xc1"],
+                    "tcp://w0",
+                    t0 + i * STEP_NS + 1,
+                    worker_id=0,
+                )
+            )
     writer.close()
     return [b for b in open_recording(path) if b.error is None]
 
@@ -52,10 +58,12 @@ def rows_of(out: str) -> list[dict]:
 def replay_into_tap(path, *replay_args: str, tap_args: tuple = ()) -> tuple[list[dict], dict]:
     port = free_port()
     to = f"tcp://127.0.0.1:{port}"
-    replay = start_kvctl("replay", str(path), "--to", to, "--wait-subscribers", "1", "--json",
-                         *replay_args)
-    tap = start_kvctl("tap", to, "--json", "--idle-timeout", "1.5", "--connect-timeout", "10",
-                      *tap_args)
+    replay = start_kvctl(
+        "replay", str(path), "--to", to, "--wait-subscribers", "1", "--json", *replay_args
+    )
+    tap = start_kvctl(
+        "tap", to, "--json", "--idle-timeout", "1.5", "--connect-timeout", "10", *tap_args
+    )
     rc_replay, report, err_replay = finish(replay, timeout=60)
     rc_tap, out, err = finish(tap, timeout=60)
     assert rc_replay == 0, err_replay
@@ -70,8 +78,9 @@ def test_raw_replay_sends_the_recorded_bytes_in_order(recording):
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(to)
-    replay = start_kvctl("replay", str(path), "--to", to, "--wait-subscribers", "1",
-                         "--topspeed", "--json")
+    replay = start_kvctl(
+        "replay", str(path), "--to", to, "--wait-subscribers", "1", "--topspeed", "--json"
+    )
     received = []
     try:
         while len(received) < len(batches) + 1 and sub.poll(15_000):
@@ -92,7 +101,8 @@ def test_replay_into_tap_yields_the_recording(recording):
     path, batches = recording
     rows, report = replay_into_tap(path, "--topspeed")
     assert [(r["type"], r["block_hashes"]) for r in rows] == [
-        (e["type"], e["block_hashes"]) for b in batches for e in b.events]
+        (e["type"], e["block_hashes"]) for b in batches for e in b.events
+    ]
     assert report["events"] == len(rows)
 
 
@@ -114,17 +124,18 @@ def test_every_engine_format_decodes_back(recording, encoding):
 
 def test_speed_scales_the_recorded_timing(recording):
     path, _ = recording
-    result1 = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}",
-                        "--json")
-    result2 = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}",
-                        "--json", "--speed", "2")
+    result1 = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", "--json")
+    result2 = run_kvctl(
+        "replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", "--json", "--speed", "2"
+    )
     recorded = 49 * STEP_NS / 1e9 + 1e-9  # span of the recording (0.98 s)
     t1 = json.loads(result1.stdout)["elapsed_s"]
     t2 = json.loads(result2.stdout)["elapsed_s"]
     assert recorded * 0.95 < t1 < recorded * 1.5
     assert recorded / 2 * 0.95 < t2 < recorded / 2 * 1.5
-    rated = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", "--json",
-                      "--rate", "200")
+    rated = run_kvctl(
+        "replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", "--json", "--rate", "200"
+    )
     assert 50 / 200 * 0.95 < json.loads(rated.stdout)["elapsed_s"] < 50 / 200 * 1.8
 
 
@@ -134,30 +145,46 @@ def test_loop_with_unique_hashes_gives_new_but_chained_blocks(recording):
     n = sum(len(b.events) for b in batches)
     assert len(rows) == 2 * n
     first, second = rows[:n], rows[n:]
-    assert [r["block_hashes"] for r in first] == [e["block_hashes"] for b in batches
-                                                  for e in b.events]
+    assert [r["block_hashes"] for r in first] == [
+        e["block_hashes"] for b in batches for e in b.events
+    ]
     hashes1 = {h for r in first for h in r["block_hashes"]}
     hashes2 = {h for r in second for h in r["block_hashes"]}
     assert not hashes1 & hashes2
     stored2 = {h for r in second if r["type"] == "BlockStored" for h in r["block_hashes"]}
-    assert all(r["parent_block_hash"] in stored2 for r in second
-               if r["type"] == "BlockStored" and r["parent_block_hash"] is not None)
+    assert all(
+        r["parent_block_hash"] in stored2
+        for r in second
+        if r["type"] == "BlockStored" and r["parent_block_hash"] is not None
+    )
 
 
 def test_several_workers_on_one_socket_with_topics(recording):
     path, batches = recording
     rows, _ = replay_into_tap(path, "--topspeed", "--worker-topics", "llama")
-    assert {(r["topic"], r["worker_id"]) for r in rows} == {("kv@0@llama", "0"),
-                                                            ("kv@1@llama", "1")}
+    assert {(r["topic"], r["worker_id"]) for r in rows} == {
+        ("kv@0@llama", "0"),
+        ("kv@1@llama", "1"),
+    }
     assert [r["block_hashes"] for r in rows if r["worker_id"] == "1"] == [
-        e["block_hashes"] for b in batches if str(b.worker_id) == "1" for e in b.events]
+        e["block_hashes"] for b in batches if str(b.worker_id) == "1" for e in b.events
+    ]
 
 
 def test_replay_router_serves_buffered_batches_and_the_end_marker(recording):
     path, batches = recording
     replay_port = free_port()
-    replay = start_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}",
-                         "--topspeed", "--replay-port", str(replay_port), "--linger", "5")
+    replay = start_kvctl(
+        "replay",
+        str(path),
+        "--to",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--topspeed",
+        "--replay-port",
+        str(replay_port),
+        "--linger",
+        "5",
+    )
     deadline = time.monotonic() + 15
     replies, complete = [], False
     while time.monotonic() < deadline:  # until the replay has sent everything
@@ -174,16 +201,38 @@ def test_replay_router_serves_buffered_batches_and_the_end_marker(recording):
 def test_dynamo_targets_decode_with_correct_tokens_hash(nats_server, tmp_path):
     path = tmp_path / "toks.parquet"
     writer = RecordingWriter(path)
-    ev = {"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": None,
-          "token_ids": [0, 1, 2, 3, 4, 5, 6, 7], "block_size": 4, "lora_id": None,
-          "medium": "GPU", "lora_name": None}
-    writer.write(decode_zmq(encode_frames(b"", 0, encode_payload([ev, removed([8])], 1.0)),
-                            "tcp://w", 1, worker_id=3))
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [7, 8],
+        "parent_block_hash": None,
+        "token_ids": [0, 1, 2, 3, 4, 5, 6, 7],
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    writer.write(
+        decode_zmq(
+            encode_frames(b"", 0, encode_payload([ev, removed([8])], 1.0)),
+            "tcp://w",
+            1,
+            worker_id=3,
+        )
+    )
     writer.close()
     tap = start_kvctl("tap", nats_server.url, "--json", "-c", "2")
     wait_ready(tap)
-    result = run_kvctl("replay", str(path), "--to", nats_server.url, "--format", "dynamo",
-                       "--namespace", "rp", "--json")
+    result = run_kvctl(
+        "replay",
+        str(path),
+        "--to",
+        nats_server.url,
+        "--format",
+        "dynamo",
+        "--namespace",
+        "rp",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     rc, out, err = finish(tap)
     rows = rows_of(out)
@@ -192,11 +241,20 @@ def test_dynamo_targets_decode_with_correct_tokens_hash(nats_server, tmp_path):
     assert rows[0]["topic"] == "namespace.rp.component.backend.endpoint.generate.kv-events"
     assert rows[1]["type"] == "BlockRemoved" and rows[1]["block_hashes"] == [8]
     # 0.7-0.9 era: JSON on the JetStream subject, read back from history
-    result = run_kvctl("replay", str(path), "--to", nats_server.url, "--format", "dynamo-json",
-                       "--namespace", "old")
+    result = run_kvctl(
+        "replay",
+        str(path),
+        "--to",
+        nats_server.url,
+        "--format",
+        "dynamo-json",
+        "--namespace",
+        "old",
+    )
     assert result.returncode == 0, result.stderr
-    history = run_kvctl("tap", nats_server.url, "--from-start", "--json", "-c", "2",
-                        "--subject", "nothing.here")
+    history = run_kvctl(
+        "tap", nats_server.url, "--from-start", "--json", "-c", "2", "--subject", "nothing.here"
+    )
     rows = [r for r in rows_of(history.stdout.decode()) if r["format"] == "dynamo-json"]
     assert [r["type"] for r in rows] == ["BlockStored", "BlockRemoved"]
     assert rows[0]["topic"] == "namespace-old-component-backend-kv-events.kv-events"
@@ -204,10 +262,12 @@ def test_dynamo_targets_decode_with_correct_tokens_hash(nats_server, tmp_path):
 
 def test_start_end_seq_window_and_count(recording):
     path, batches = recording
-    rows, _ = replay_into_tap(path, "--topspeed", "--start", "seq:5", "--end", "seq:6",
-                              "--worker", "1")
-    expected = [e["block_hashes"] for b in batches if b.worker_id == 1 and 5 <= b.seq <= 6
-                for e in b.events]
+    rows, _ = replay_into_tap(
+        path, "--topspeed", "--start", "seq:5", "--end", "seq:6", "--worker", "1"
+    )
+    expected = [
+        e["block_hashes"] for b in batches if b.worker_id == 1 and 5 <= b.seq <= 6 for e in b.events
+    ]
     assert [r["block_hashes"] for r in rows] == expected and expected
     rows, report = replay_into_tap(path, "--topspeed", "-c", "3")
     assert len(rows) == 3 and report["events"] == 3
@@ -216,10 +276,21 @@ def test_start_end_seq_window_and_count(recording):
 def test_bridge_array_engine_to_map_form(endpoint):
     engine = Engine(endpoint, encoding="vllm-array")
     out_port = free_port()
-    bridge = start_kvctl("bridge", engine.endpoint, "--to", f"tcp://127.0.0.1:{out_port}",
-                         "--format", "vllm", "-c", "3", "--wait-subscribers", "1")
-    tap = start_kvctl("tap", f"tcp://127.0.0.1:{out_port}", "--json", "-c", "3",
-                      "--connect-timeout", "10")
+    bridge = start_kvctl(
+        "bridge",
+        engine.endpoint,
+        "--to",
+        f"tcp://127.0.0.1:{out_port}",
+        "--format",
+        "vllm",
+        "-c",
+        "3",
+        "--wait-subscribers",
+        "1",
+    )
+    tap = start_kvctl(
+        "tap", f"tcp://127.0.0.1:{out_port}", "--json", "-c", "3", "--connect-timeout", "10"
+    )
     try:
         engine.wait_for()  # the bridge subscribes upstream only once tap joined downstream
         engine.send([stored([1, 2], block_size=4), removed([1])])
@@ -231,16 +302,19 @@ def test_bridge_array_engine_to_map_form(endpoint):
     assert rc == 0 and rc_b == 0, (err, err_b)
     rows = rows_of(out)
     assert [(r["type"], r["format"]) for r in rows] == [
-        ("BlockStored", "engine-map"), ("BlockRemoved", "engine-map"),
-        ("AllBlocksCleared", "engine-map")]
+        ("BlockStored", "engine-map"),
+        ("BlockRemoved", "engine-map"),
+        ("AllBlocksCleared", "engine-map"),
+    ]
 
 
 def test_bridge_engine_to_dynamo_on_nats(endpoint, nats_server):
     engine = Engine(endpoint)
     tap = start_kvctl("tap", nats_server.url, "--json", "-c", "2")
     wait_ready(tap)
-    bridge = start_kvctl("bridge", f"5={engine.endpoint}", "--to", nats_server.url,
-                         "--namespace", "br", "-c", "2")
+    bridge = start_kvctl(
+        "bridge", f"5={engine.endpoint}", "--to", nats_server.url, "--namespace", "br", "-c", "2"
+    )
     try:
         engine.wait_for()
         engine.send([stored([0xFFFF_FFFF_FFFF_FFF0], block_size=4), removed([-16])])
@@ -251,12 +325,15 @@ def test_bridge_engine_to_dynamo_on_nats(endpoint, nats_server):
     assert rc == 0 and rc_b == 0, (err, err_b)
     rows = rows_of(out)
     assert [(r["type"], r["worker_id"], r["block_hashes"]) for r in rows] == [
-        ("BlockStored", 5, [2**64 - 16]), ("BlockRemoved", 5, [2**64 - 16])]
+        ("BlockStored", 5, [2**64 - 16]),
+        ("BlockRemoved", 5, [2**64 - 16]),
+    ]
     assert rows[0]["tokens_hashes"] == [9143094415614847814]  # tokens [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("args", [["--format", "raw", "--unique-hashes"],
-                                  ["--format", "dynamo"], ["--start", "soon"]])
+@pytest.mark.parametrize(
+    "args", [["--format", "raw", "--unique-hashes"], ["--format", "dynamo"], ["--start", "soon"]]
+)
 def test_replay_usage_errors(recording, args):
     path, _ = recording
     result = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", *args)
@@ -268,8 +345,9 @@ def _event_plane_message(topic: bytes, sequence: int) -> list[bytes]:
     from kvctl.formats.dynamo import encode_envelope, encode_event_plane, router_event
 
     maps = [router_event(stored([2**63 + sequence], parent=None), 7, sequence)]
-    return encode_event_plane(encode_envelope(maps, 42, sequence, 1_700_000_000_000), 42,
-                              sequence, topic)
+    return encode_event_plane(
+        encode_envelope(maps, 42, sequence, 1_700_000_000_000), 42, sequence, topic
+    )
 
 
 def test_raw_replay_sends_every_zmq_message_as_it_arrived(tmp_path):
@@ -282,8 +360,9 @@ def test_raw_replay_sends_every_zmq_message_as_it_arrived(tmp_path):
         _event_plane_message(b"kv-events", 0),
         _event_plane_message(broker_topic, 1),
         [b"", (6).to_bytes(8, "big"), b"\xc1"],  # not msgpack
-        encode_frames(b"", 7, msgpack.packb([2.0, [{"type": "BlockStored",
-                                                    "block_hashes": "1234"}], 0])),
+        encode_frames(
+            b"", 7, msgpack.packb([2.0, [{"type": "BlockStored", "block_hashes": "1234"}], 0])
+        ),
         encode_frames(b"", 8, encode_payload([], 3.0, 0)),  # a step without events
         [b"one frame"],
     ]
@@ -299,8 +378,19 @@ def test_raw_replay_sends_every_zmq_message_as_it_arrived(tmp_path):
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(to)
-    replay = start_kvctl("replay", str(path), "--to", to, "--format", "raw", "--keep-seq",
-                         "--wait-subscribers", "1", "--topspeed", "--json")
+    replay = start_kvctl(
+        "replay",
+        str(path),
+        "--to",
+        to,
+        "--format",
+        "raw",
+        "--keep-seq",
+        "--wait-subscribers",
+        "1",
+        "--topspeed",
+        "--json",
+    )
     received = []
     try:
         while len(received) < len(messages) and sub.poll(15_000):
@@ -320,19 +410,39 @@ def test_raw_replay_refuses_nats_messages_in_one_line(tmp_path):
     path = tmp_path / "nats.parquet"
     writer = RecordingWriter(path)
     data = encode_envelope([router_event(stored([5]), 7, 0)], 42, 0, 1_700_000_000_000)
-    writer.write(decode_nats("namespace.d.component.b.endpoint.g.kv-events", data,
-                             "nats://127.0.0.1:4222", 1_700_000_000_000_000_000))
-    writer.write(decode_nats("namespace.d.component.b.endpoint.g.kv-events", b"\xc1",
-                             "nats://127.0.0.1:4222", 1_700_000_000_000_000_001))
+    writer.write(
+        decode_nats(
+            "namespace.d.component.b.endpoint.g.kv-events",
+            data,
+            "nats://127.0.0.1:4222",
+            1_700_000_000_000_000_000,
+        )
+    )
+    writer.write(
+        decode_nats(
+            "namespace.d.component.b.endpoint.g.kv-events",
+            b"\xc1",
+            "nats://127.0.0.1:4222",
+            1_700_000_000_000_000_001,
+        )
+    )
     writer.close()
-    result = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}",
-                       "--format", "raw", "--topspeed")
+    result = run_kvctl(
+        "replay",
+        str(path),
+        "--to",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--format",
+        "raw",
+        "--topspeed",
+    )
     err = result.stderr.decode()
     assert result.returncode == 2, err
     assert "NATS messages" in err and "--to nats://" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
     # without --format: Dynamo events re-encoded for vLLM, the malformed NATS message skipped
-    result = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}",
-                       "--topspeed", "--json")
+    result = run_kvctl(
+        "replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", "--topspeed", "--json"
+    )
     report = json.loads(result.stdout)
     assert result.returncode == 0 and (report["batches"], report["skipped"]) == (1, 1)

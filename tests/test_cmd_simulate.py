@@ -11,16 +11,27 @@ from conftest import finish, free_port_range, run_kvctl, start_kvctl
 from inprocess import run_main
 from test_tap_nats import wait_ready
 
-SIM = ["simulate", "--requests", "40", "--topspeed", "--num-blocks", "400", "--epoch", "1e9",
-       "--wait-subscribers", "1", "-q", "--json"]
+SIM = [
+    "simulate",
+    "--requests",
+    "40",
+    "--topspeed",
+    "--num-blocks",
+    "400",
+    "--epoch",
+    "1e9",
+    "--wait-subscribers",
+    "1",
+    "-q",
+    "--json",
+]
 
 
 def tap_simulation(workers: int, *extra: str) -> tuple[list[dict], dict]:
     base = free_port_range(workers)
     endpoints = [f"tcp://127.0.0.1:{base + i}" for i in range(workers)]
     sim = start_kvctl(*SIM, "--workers", str(workers), "--base-port", str(base), *extra)
-    tap = start_kvctl("tap", *endpoints, "--json", "--idle-timeout", "2", "--connect-timeout",
-                      "10")
+    tap = start_kvctl("tap", *endpoints, "--json", "--idle-timeout", "2", "--connect-timeout", "10")
     rc_tap, out, err = finish(tap, timeout=60)
     rc_sim, sim_out, sim_err = finish(sim, timeout=60)
     assert rc_sim == 0 and rc_tap == 0, (sim_err, err)
@@ -61,15 +72,23 @@ def test_same_seed_gives_identical_streams():
 
     def by_port_order(rows):
         ports = sorted({r["source"] for r in rows})
-        return [[(r["seq"], r["ts"], r["type"], r["block_hashes"], r["token_ids"])
-                 for r in rows if r["source"] == p] for p in ports]
+        return [
+            [
+                (r["seq"], r["ts"], r["type"], r["block_hashes"], r["token_ids"])
+                for r in rows
+                if r["source"] == p
+            ]
+            for p in ports
+        ]
 
     assert by_port_order(first) == by_port_order(second)
     assert by_port_order(first) != by_port_order(other)
 
 
-@pytest.mark.parametrize("encoding,shape", [("vllm-array", "engine-array"),
-                                            ("sglang", "engine-map"), ("seed", "engine-map")])
+@pytest.mark.parametrize(
+    "encoding,shape",
+    [("vllm-array", "engine-array"), ("sglang", "engine-map"), ("seed", "engine-map")],
+)
 def test_engine_formats(encoding, shape):
     rows, summary = tap_simulation(1, "--format", encoding)
     assert rows and {r["format"] for r in rows} == {shape}
@@ -80,8 +99,21 @@ def test_engine_formats(encoding, shape):
 def test_nats_output_decodes_as_dynamo(nats_server):
     tap = start_kvctl("tap", nats_server.url, "--json", "--idle-timeout", "2")
     wait_ready(tap)
-    result = run_kvctl("simulate", "--to", nats_server.url, "--workers", "2", "--requests", "10",
-                       "--topspeed", "-q", "--json", "--namespace", "sim", timeout=60)
+    result = run_kvctl(
+        "simulate",
+        "--to",
+        nats_server.url,
+        "--workers",
+        "2",
+        "--requests",
+        "10",
+        "--topspeed",
+        "-q",
+        "--json",
+        "--namespace",
+        "sim",
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     rc, out, err = finish(tap, timeout=30)
@@ -89,16 +121,26 @@ def test_nats_output_decodes_as_dynamo(nats_server):
     assert {r["format"] for r in rows} == {"dynamo-msgpack"}
     assert {r["worker_id"] for r in rows} == {0, 1}
     assert {r["topic"] for r in rows} == {
-        "namespace.sim.component.backend.endpoint.generate.kv-events"}
+        "namespace.sim.component.backend.endpoint.generate.kv-events"
+    }
     assert len(rows) == summary["events"]
-    assert all(len(r["tokens_hashes"]) == len(r["block_hashes"]) for r in rows
-               if r["type"] == "BlockStored")
+    assert all(
+        len(r["tokens_hashes"]) == len(r["block_hashes"])
+        for r in rows
+        if r["type"] == "BlockStored"
+    )
 
 
-@pytest.mark.parametrize("args", [["--to", "http://x"], ["--workers", "0"],
-                                  ["--format", "dynamo", "--requests", "1"],
-                                  ["-o", "x.parquet", "--to", "nats://127.0.0.1:1"],
-                                  ["-o", "x.parquet", "--format", "dynamo"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--to", "http://x"],
+        ["--workers", "0"],
+        ["--format", "dynamo", "--requests", "1"],
+        ["-o", "x.parquet", "--to", "nats://127.0.0.1:1"],
+        ["-o", "x.parquet", "--format", "dynamo"],
+    ],
+)
 def test_simulate_usage_errors(args):
     result = run_kvctl("simulate", "--base-port", str(free_port_range(8)), *args)
     assert result.returncode == 2, result.stderr
@@ -110,15 +152,39 @@ def test_output_recording_is_deterministic_and_passes_check(tmp_path):
 
     paths = [tmp_path / "a.parquet", tmp_path / "b.parquet"]
     for path in paths:
-        result = run_kvctl("simulate", "-o", str(path), "--workers", "3", "--requests", "60",
-                           "--num-blocks", "300", "--seed", "5", "--epoch", "1e9", "--json",
-                           "-q", timeout=60)
+        result = run_kvctl(
+            "simulate",
+            "-o",
+            str(path),
+            "--workers",
+            "3",
+            "--requests",
+            "60",
+            "--num-blocks",
+            "300",
+            "--seed",
+            "5",
+            "--epoch",
+            "1e9",
+            "--json",
+            "-q",
+            timeout=60,
+        )
         assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     first, second = ([b.frames for b in open_recording(p)] for p in paths)
     assert first == second and len(first) == summary["batches"]  # byte-identical streams
-    check = run_kvctl("check", str(paths[0]), "--block-size", "16", "--num-blocks", "300",
-                      "--expect-workers", "3", "--json")
+    check = run_kvctl(
+        "check",
+        str(paths[0]),
+        "--block-size",
+        "16",
+        "--num-blocks",
+        "300",
+        "--expect-workers",
+        "3",
+        "--json",
+    )
     report = json.loads(check.stdout)
     assert check.returncode == 0, report
     assert summary["total"]["removed_blocks"] > 0  # the pool filled and evicted
@@ -127,13 +193,29 @@ def test_output_recording_is_deterministic_and_passes_check(tmp_path):
 def test_trace_driven_run(tmp_path):
     trace = tmp_path / "trace.jsonl"
     # Mooncake layout: 512 tokens per hash id; the second and third requests share a prefix
-    trace.write_text("\n".join(json.dumps(r) for r in [
-        {"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]},
-        {"timestamp": 50, "input_length": 1500, "output_length": 10, "hash_ids": [1, 2, 3]},
-        {"timestamp": 90, "input_length": 600, "output_length": 10, "hash_ids": [1, 4]},
-    ]) + "\n")
-    result = run_kvctl("simulate", "--trace", str(trace), "--workers", "1", "-o",
-                       str(tmp_path / "t.parquet"), "--json", "-q", timeout=60)
+    trace.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]},
+                {"timestamp": 50, "input_length": 1500, "output_length": 10, "hash_ids": [1, 2, 3]},
+                {"timestamp": 90, "input_length": 600, "output_length": 10, "hash_ids": [1, 4]},
+            ]
+        )
+        + "\n"
+    )
+    result = run_kvctl(
+        "simulate",
+        "--trace",
+        str(trace),
+        "--workers",
+        "1",
+        "-o",
+        str(tmp_path / "t.parquet"),
+        "--json",
+        "-q",
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     total = json.loads(result.stdout)["total"]
     assert total["prompt_tokens"] == 1000 + 1500 + 600
@@ -146,8 +228,18 @@ def test_replay_router_per_worker():
     from kvctl.transports.zmq import fetch_replay
 
     base, replay_base = free_port_range(2), free_port_range(2)
-    sim = start_kvctl("simulate", "--workers", "2", "--base-port", str(base),
-                      "--replay-base-port", str(replay_base), "--duration", "30", "-q")
+    sim = start_kvctl(
+        "simulate",
+        "--workers",
+        "2",
+        "--base-port",
+        str(base),
+        "--replay-base-port",
+        str(replay_base),
+        "--duration",
+        "30",
+        "-q",
+    )
     try:
         replies: list = []
         deadline = time.monotonic() + 20
@@ -163,10 +255,24 @@ def test_replay_router_per_worker():
 def test_wait_for_two_subscribers():
     base = free_port_range(1)
     endpoint = f"tcp://127.0.0.1:{base}"
-    sim = start_kvctl("simulate", "--workers", "1", "--base-port", str(base), "--requests", "5",
-                      "--topspeed", "--wait-subscribers", "2", "-q", "--json")
-    taps = [start_kvctl("tap", endpoint, "--json", "--idle-timeout", "2", "--connect-timeout",
-                        "10") for _ in range(2)]
+    sim = start_kvctl(
+        "simulate",
+        "--workers",
+        "1",
+        "--base-port",
+        str(base),
+        "--requests",
+        "5",
+        "--topspeed",
+        "--wait-subscribers",
+        "2",
+        "-q",
+        "--json",
+    )
+    taps = [
+        start_kvctl("tap", endpoint, "--json", "--idle-timeout", "2", "--connect-timeout", "10")
+        for _ in range(2)
+    ]
     rc, out, err = finish(sim, timeout=60)
     assert rc == 0, err
     events = json.loads(out)["events"]
@@ -179,22 +285,35 @@ def test_wait_for_two_subscribers():
 GOOD_LINE = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'
 
 
-@pytest.mark.parametrize("bad,problem", [
-    ("{not json", "not JSON"),
-    ('[1, 2, 3]', "expected a JSON object"),
-    ('{"input_length": 600, "output_length": 5, "hash_ids": [1, 2]}', "missing timestamp"),
-    ('{"timestamp": "soon", "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}',
-     "timestamp must be a number"),
-    ('{"timestamp": 10, "input_length": "600", "output_length": 5, "hash_ids": [1, 2]}',
-     "input_length must be an integer"),
-    ('{"timestamp": 10, "input_length": 600, "output_length": null, "hash_ids": [1, 2]}',
-     "output_length must be an integer"),
-    ('{"timestamp": 10, "input_length": 600, "output_length": 5}', "missing hash_ids"),
-    ('{"timestamp": 10, "input_length": 600, "output_length": 5, "hash_ids": "1,2"}',
-     "hash_ids must be a list of integers"),
-    ('{"timestamp": 10, "input_length": 600, "output_length": 5, "hash_ids": [1]}',
-     "cannot cover input_length 600"),
-])
+@pytest.mark.parametrize(
+    "bad,problem",
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2, 3]", "expected a JSON object"),
+        ('{"input_length": 600, "output_length": 5, "hash_ids": [1, 2]}', "missing timestamp"),
+        (
+            '{"timestamp": "soon", "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}',
+            "timestamp must be a number",
+        ),
+        (
+            '{"timestamp": 10, "input_length": "600", "output_length": 5, "hash_ids": [1, 2]}',
+            "input_length must be an integer",
+        ),
+        (
+            '{"timestamp": 10, "input_length": 600, "output_length": null, "hash_ids": [1, 2]}',
+            "output_length must be an integer",
+        ),
+        ('{"timestamp": 10, "input_length": 600, "output_length": 5}', "missing hash_ids"),
+        (
+            '{"timestamp": 10, "input_length": 600, "output_length": 5, "hash_ids": "1,2"}',
+            "hash_ids must be a list of integers",
+        ),
+        (
+            '{"timestamp": 10, "input_length": 600, "output_length": 5, "hash_ids": [1]}',
+            "cannot cover input_length 600",
+        ),
+    ],
+)
 def test_bad_trace_line_is_named_and_leaves_no_recording(tmp_path, bad, problem):
     """A bad line anywhere in the trace: `FILE:LINE: problem`, exit 2, and nothing written (the
     trace is checked before the recording is opened; line 3 after a blank line 2)."""
@@ -212,8 +331,9 @@ def test_bad_trace_line_is_named_and_leaves_no_recording(tmp_path, bad, problem)
 def test_trace_out_of_time_order_is_refused(tmp_path):
     trace = tmp_path / "trace.jsonl"
     trace.write_text(f"{GOOD_LINE.replace(': 0,', ': 50,')}\n{GOOD_LINE}\n")
-    result = run_main("simulate", "--trace", str(trace), "--workers", "1", "--base-port",
-                      str(free_port_range(1)))
+    result = run_main(
+        "simulate", "--trace", str(trace), "--workers", "1", "--base-port", str(free_port_range(1))
+    )
     assert result.code == 2 and f"{trace}:2: timestamp 0 is earlier" in result.err
 
 

@@ -16,7 +16,8 @@ from kvctl.formats.engine_zmq import encode_frames, encode_payload
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 needs_matplotlib = pytest.mark.skipif(
     find_spec("matplotlib") is None,
-    reason="matplotlib is not installed (the plot extra): pip install 'matplotlib>=3.7'")
+    reason="matplotlib is not installed (the plot extra): pip install 'matplotlib>=3.7'",
+)
 
 
 def hidden(tmp_path, module: str) -> dict[str, str]:
@@ -32,10 +33,23 @@ def hidden(tmp_path, module: str) -> dict[str, str]:
 def recording(tmp_path_factory) -> str:
     """A simulated recording with evictions (a small cache), on the wall clock."""
     path = tmp_path_factory.mktemp("sim") / "sim.parquet"
-    result = run_kvctl("simulate", "-o", str(path), "--workers", "2", "--duration", "30",
-                       "--num-blocks", "256", "--seed", "7", "-q")
+    result = run_kvctl(
+        "simulate",
+        "-o",
+        str(path),
+        "--workers",
+        "2",
+        "--duration",
+        "30",
+        "--num-blocks",
+        "256",
+        "--seed",
+        "7",
+        "-q",
+    )
     assert result.returncode == 0, result.stderr
     return str(path)
+
 
 # One engine socket, two llm-d style workers named by topic (kv@<worker>@<model>), engine times
 # chosen by hand. Worker a: stores 1,2 at 100.0 and 3 (child of 2, LoRA ad1, on CPU) at 100.5;
@@ -73,8 +87,12 @@ def test_json_figures_equal_hand_computed(engine):
     assert o["blocks_by_type"] == {"BlockStored": 4, "BlockRemoved": 3}
     a, b = r["workers"]["a[dp0]"], r["workers"]["b[dp0]"]
     assert a["blocks_by_type"] == {"BlockStored": 3, "BlockRemoved": 3}
-    assert (a["max_blocks_cached"], a["blocks_cached"], b["max_blocks_cached"],
-            b["cleared"]) == (3, 0, 1, 1)
+    assert (a["max_blocks_cached"], a["blocks_cached"], b["max_blocks_cached"], b["cleared"]) == (
+        3,
+        0,
+        1,
+        1,
+    )
     # lifetimes: 1: 1.2 s, 2: 3.0 s, 3: 2.5 s (engine clock); b's cleared block is no removal
     lt = r["lifetime_s"]
     assert lt["count"] == 3 and lt["p50"] == pytest.approx(2.5)
@@ -96,8 +114,17 @@ def test_tables_and_plots(engine, tmp_path):
     plots = tmp_path / "charts"
     rc, out, err = run_stats(engine, "--plot", str(plots))
     assert rc == 0, err
-    for text in ("kvctl stats: overall", "per worker", "a[dp0]", "b[dp0]", "block lifetime",
-                 "2.50 s", "ad1", "CPU", "sequence per publisher"):
+    for text in (
+        "kvctl stats: overall",
+        "per worker",
+        "a[dp0]",
+        "b[dp0]",
+        "block lifetime",
+        "2.50 s",
+        "ad1",
+        "CPU",
+        "sequence per publisher",
+    ):
         assert text in out, text
     names = sorted(p.name for p in plots.iterdir())
     assert names == ["lifetimes.png", "occupancy.png", "rates.png"]
@@ -112,18 +139,26 @@ def test_tables_and_plots(engine, tmp_path):
 
 @needs_matplotlib
 def test_plot_on_an_empty_stream_still_writes_charts(engine, tmp_path):
-    proc = start_kvctl("stats", engine.endpoint, "--idle-timeout", "0.5", "--plot",
-                       str(tmp_path), "-q")
+    proc = start_kvctl(
+        "stats", engine.endpoint, "--idle-timeout", "0.5", "--plot", str(tmp_path), "-q"
+    )
     rc, out, err = finish(proc)
     assert rc == 0, err
-    assert all((tmp_path / n).read_bytes()[:8] == PNG_SIGNATURE
-               for n in ("occupancy.png", "rates.png", "lifetimes.png"))
+    assert all(
+        (tmp_path / n).read_bytes()[:8] == PNG_SIGNATURE
+        for n in ("occupancy.png", "rates.png", "lifetimes.png")
+    )
 
 
 def test_missing_matplotlib_fails_before_reading(tmp_path):
     # nothing listens on this port: the plot check must fail first, not the connection
-    result = run_kvctl("stats", f"tcp://127.0.0.1:{free_port()}", "--plot", str(tmp_path),
-                       env=hidden(tmp_path, "matplotlib"))
+    result = run_kvctl(
+        "stats",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--plot",
+        str(tmp_path),
+        env=hidden(tmp_path, "matplotlib"),
+    )
     assert result.returncode == 1
     lines = result.stderr.decode().splitlines()
     assert len(lines) == 1, lines
@@ -134,8 +169,9 @@ def test_missing_matplotlib_fails_before_reading(tmp_path):
     assert "kvctl[plot]" not in lines[0]
 
 
-@pytest.mark.parametrize("command", [["stats"], ["cat", "--json"], ["check"], ["top", "--json"],
-                                     ["tap", "-c", "5"]])
+@pytest.mark.parametrize(
+    "command", [["stats"], ["cat", "--json"], ["check"], ["top", "--json"], ["tap", "-c", "5"]]
+)
 def test_recordings_read_without_numpy(recording, tmp_path, command):
     # numpy is no dependency: the plain install has none (matplotlib, the plot extra, pulls it in)
     result = run_kvctl(command[0], recording, *command[1:], env=hidden(tmp_path, "numpy"))

@@ -77,8 +77,17 @@ def test_plain_snapshots_when_not_a_tty(engine):
     assert len(snaps) >= 3, out  # every refresh, plus the final one
     last = snaps[-1]
     assert "2 workers" in last and "sort: worker" in last
-    for header in ("worker", "cached", "store/s", "remove/s", "batch/s", "seq", "gaps",
-                   "malformed", "seen"):
+    for header in (
+        "worker",
+        "cached",
+        "store/s",
+        "remove/s",
+        "batch/s",
+        "seq",
+        "gaps",
+        "malformed",
+        "seen",
+    ):
         assert header in last
     expected = work.expected()
     a, b = row(last, "a[dp0]"), row(last, "b[dp0]")
@@ -91,8 +100,17 @@ def test_plain_snapshots_when_not_a_tty(engine):
 
 
 def test_json_snapshots_sorted(engine):
-    proc = start_kvctl("top", engine.endpoint, "--json", "--refresh", "0.5", "--sort", "cached",
-                       "--duration", "1.8")
+    proc = start_kvctl(
+        "top",
+        engine.endpoint,
+        "--json",
+        "--refresh",
+        "0.5",
+        "--sort",
+        "cached",
+        "--duration",
+        "1.8",
+    )
     engine.wait_for()
     work = Workload(engine)
     work.drive(1.2)
@@ -142,19 +160,24 @@ def test_help_has_example():
     assert "Example:" in run_kvctl("top", "--help").stdout.decode()
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None,
-                    reason="tmux not installed (apt-get install tmux): no real terminal to test")
+@pytest.mark.skipif(
+    shutil.which("tmux") is None,
+    reason="tmux not installed (apt-get install tmux): no real terminal to test",
+)
 def test_real_terminal_q_quits_and_s_sorts(engine, tmp_path):
     sock = f"kvctl-test-{uuid.uuid4().hex[:8]}"  # a private tmux server, killed at the end
     rc_file = tmp_path / "rc"
     # COLUMNS/LINES from the test runner's environment would pin the width (rich honours them)
-    cmd = (f"env -u COLUMNS -u LINES {sys.executable} -m kvctl top {engine.endpoint} "
-           f"--refresh 0.3; "
-           f"echo $? > {rc_file}; sleep 30")
+    cmd = (
+        f"env -u COLUMNS -u LINES {sys.executable} -m kvctl top {engine.endpoint} "
+        f"--refresh 0.3; "
+        f"echo $? > {rc_file}; sleep 30"
+    )
 
     def tmux(*args: str) -> str:
-        return subprocess.run(["tmux", "-L", sock, *args], capture_output=True, text=True,
-                              timeout=10, cwd=REPO).stdout
+        return subprocess.run(
+            ["tmux", "-L", sock, *args], capture_output=True, text=True, timeout=10, cwd=REPO
+        ).stdout
 
     def screen_with(text: str, timeout: float = 8.0) -> str:
         deadline = time.monotonic() + timeout

@@ -38,25 +38,30 @@ def test_readme_documents_every_command(name):
 
 @pytest.mark.parametrize("name", COMMANDS)
 def test_unknown_option_is_a_usage_error(name):
-    result = subprocess.run([sys.executable, "-m", "kvctl", name, "--no-such-option"],
-                            capture_output=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvctl", name, "--no-such-option"], capture_output=True, timeout=30
+    )
     assert result.returncode == 2 and b"Traceback" not in result.stderr
 
 
 def test_help_is_fast_and_imports_nothing_heavy():
-    code = ("import sys, kvctl.cli as c; from click.testing import CliRunner; "
-            "CliRunner().invoke(c.cli, ['--help']); "
-            "print(sorted(m for m in ('pyarrow', 'nats', 'rich', 'zmq', 'matplotlib') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30,
-                         check=True).stdout.decode()
+    code = (
+        "import sys, kvctl.cli as c; from click.testing import CliRunner; "
+        "CliRunner().invoke(c.cli, ['--help']); "
+        "print(sorted(m for m in ('pyarrow', 'nats', 'rich', 'zmq', 'matplotlib') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, timeout=30, check=True
+    ).stdout.decode()
     assert out.strip() == "[]"
 
 
 NOT_IN_ENGINE = {"zmq", "nats", "click", "rich", "socket", "asyncio", "threading", "time"}
 NOT_IN_CODECS = NOT_IN_ENGINE | {"os", "pathlib", "io"}
 PURE_MODULES = [(p, NOT_IN_CODECS) for p in sorted((REPO / "kvctl" / "formats").glob("*.py"))] + [
-    (p, NOT_IN_ENGINE) for p in sorted((REPO / "kvctl" / "engine").glob("*.py"))]
+    (p, NOT_IN_ENGINE) for p in sorted((REPO / "kvctl" / "engine").glob("*.py"))
+]
 
 
 @pytest.mark.parametrize("path,forbidden", PURE_MODULES, ids=lambda p: getattr(p, "name", ""))

@@ -38,8 +38,13 @@ SUBJECTS = [
 ]
 ENVELOPE_SUBJECT = SUBJECTS[2]
 
-STORED = {"type": "BlockStored", "block_hashes": [2**64 - 2, 5], "parent_block_hash": None,
-          "token_ids": list(range(8)), "block_size": 4}
+STORED = {
+    "type": "BlockStored",
+    "block_hashes": [2**64 - 2, 5],
+    "parent_block_hash": None,
+    "token_ids": list(range(8)),
+    "block_size": 4,
+}
 
 
 def nested(levels: int) -> list:
@@ -51,8 +56,12 @@ def nested(levels: int) -> list:
 
 
 def envelope_with(**header) -> bytes:
-    env = {"publisher_id": 99, "sequence": 0, "published_at": 1_700_000_000_000,
-           "payload": msgpack.packb([router_event(STORED, 3, 0)])}
+    env = {
+        "publisher_id": 99,
+        "sequence": 0,
+        "published_at": 1_700_000_000_000,
+        "payload": msgpack.packb([router_event(STORED, 3, 0)]),
+    }
     env.update(header)
     return msgpack.packb(env)
 
@@ -82,30 +91,81 @@ deep_values = st.integers(MAX_DEPTH - 6, 300).map(nested)
 """Values around the depth bound and far beyond it."""
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
-    | st.text(max_size=6) | deep_values,
-    lambda children: st.lists(children, max_size=3)
-    | st.dictionaries(st.sampled_from(["worker_id", "event", "data", "stored", "removed",
-                                       "blocks", "block_hash", "tokens_hash", "block_hashes",
-                                       "event_id", "dp_rank", "parent_hash", "cleared", "x"]),
-                      children, max_size=4),
-    max_leaves=12)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=6)
+    | deep_values,
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "worker_id",
+                    "event",
+                    "data",
+                    "stored",
+                    "removed",
+                    "blocks",
+                    "block_hash",
+                    "tokens_hash",
+                    "block_hashes",
+                    "event_id",
+                    "dp_rank",
+                    "parent_hash",
+                    "cleared",
+                    "x",
+                ]
+            ),
+            children,
+            max_size=4,
+        )
+    ),
+    max_leaves=12,
+)
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-    | st.text(max_size=6) | st.binary(max_size=6)
-    | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=6)) | deep_values,
-    lambda children: st.lists(children, max_size=3)
-    | st.dictionaries(st.sampled_from(["worker_id", "event", "data", "stored", "removed",
-                                       "blocks", "block_hash", "block_hashes", "event_id",
-                                       "dp_rank", "x"]) | st.binary(max_size=3),
-                      children, max_size=4),
-    max_leaves=12)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=6)
+    | st.binary(max_size=6)
+    | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=6))
+    | deep_values,
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "worker_id",
+                    "event",
+                    "data",
+                    "stored",
+                    "removed",
+                    "blocks",
+                    "block_hash",
+                    "block_hashes",
+                    "event_id",
+                    "dp_rank",
+                    "x",
+                ]
+            )
+            | st.binary(max_size=3),
+            children,
+            max_size=4,
+        )
+    ),
+    max_leaves=12,
+)
 
 
-ROUTER_EVENTS = [router_event(STORED, 3, 0),
-                 router_event({"type": "BlockRemoved", "block_hashes": [5]}, 3, 1),
-                 router_event({"type": "AllBlocksCleared"}, 3, 2)]
+ROUTER_EVENTS = [
+    router_event(STORED, 3, 0),
+    router_event({"type": "BlockRemoved", "block_hashes": [5]}, 3, 1),
+    router_event({"type": "AllBlocksCleared"}, 3, 2),
+]
 
 
 @st.composite
@@ -123,8 +183,9 @@ def doctored_router_events(draw, values) -> list:
         places += body.get("blocks", [])
     place = draw(st.sampled_from(places))
     # its own keys, a new one, or a name kvctl derives (which must not replace the derived one)
-    key = draw(st.sampled_from([*place.keys(), "x", "type", "block_hashes", "worker_id",
-                                "block_x"]))
+    key = draw(
+        st.sampled_from([*place.keys(), "x", "type", "block_hashes", "worker_id", "block_x"])
+    )
     place[key] = draw(values)
     return events
 
@@ -136,10 +197,12 @@ def hostile_envelopes(draw) -> bytes:
     header = {"publisher_id": 7, "sequence": 1, "published_at": 1_700_000_000_000}
     for key in draw(st.lists(st.sampled_from([*header, "topic"]), unique=True)):
         header[key] = draw(msgpack_values)
-    payload = draw(st.binary(max_size=16)
-                   | st.builds(msgpack.packb, msgpack_values)
-                   | st.just(msgpack.packb(ROUTER_EVENTS))
-                   | st.builds(msgpack.packb, doctored_router_events(msgpack_values)))
+    payload = draw(
+        st.binary(max_size=16)
+        | st.builds(msgpack.packb, msgpack_values)
+        | st.just(msgpack.packb(ROUTER_EVENTS))
+        | st.builds(msgpack.packb, doctored_router_events(msgpack_values))
+    )
     return msgpack.packb({**header, "payload": payload})
 
 
@@ -190,26 +253,46 @@ def test_any_envelope_on_the_zmq_event_plane(envelope, publisher_id, sequence):
     assert_printable_and_recordable(batch)
 
 
-@pytest.mark.parametrize("data, why", [
-    (b"[" * 5000, f"JSON nests deeper than {MAX_DEPTH} levels"),
-    (b"\x91" * 5000 + b"\xc0", f"msgpack nests deeper than {MAX_DEPTH} levels"),
-    (b"\x81\xa1x" + b"\x91" * 5000 + b"\xc0",
-     f"envelope: msgpack nests deeper than {MAX_DEPTH} levels"),
-    (envelope_with(publisher_id=[1]), "envelope publisher_id is an array, expected int"),
-    (envelope_with(publisher_id={"a": 1}), "envelope publisher_id is a map, expected int"),
-    (envelope_with(sequence="7"), "envelope sequence is a str, expected int"),
-    (envelope_with(publisher_id=b"\x01"), "envelope publisher_id is bytes, expected int"),
-    (envelope_with(published_at=[1]), "envelope published_at is an array, expected number"),
-    (envelope_with(published_at=1e22), "envelope published_at 1e+22 is not a time"),
-    (envelope_with(published_at=float("nan")), "envelope published_at nan is not a time"),
-    (encode_json({**router_event(STORED, 1, 0), "x": nested(500)}),
-     f"field 'x' nests deeper than {MAX_DEPTH} levels"),
-    (encode_json(router_event(STORED, [1], 0)), "worker_id is an array, expected int or nil"),
-    (encode_json({"worker_id": 1, "event": {"event_id": {}, "data": "cleared"}}),
-     "event_id is a map, expected int or nil"),
-    (envelope_with(payload=msgpack.packb([{"worker_id": 1, "event": {"data": {"stored": {
-        "blocks": [{"block_hash": 1, b"k": 2}]}}}}])), "stored block has a bytes key"),
-])
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        (b"[" * 5000, f"JSON nests deeper than {MAX_DEPTH} levels"),
+        (b"\x91" * 5000 + b"\xc0", f"msgpack nests deeper than {MAX_DEPTH} levels"),
+        (
+            b"\x81\xa1x" + b"\x91" * 5000 + b"\xc0",
+            f"envelope: msgpack nests deeper than {MAX_DEPTH} levels",
+        ),
+        (envelope_with(publisher_id=[1]), "envelope publisher_id is an array, expected int"),
+        (envelope_with(publisher_id={"a": 1}), "envelope publisher_id is a map, expected int"),
+        (envelope_with(sequence="7"), "envelope sequence is a str, expected int"),
+        (envelope_with(publisher_id=b"\x01"), "envelope publisher_id is bytes, expected int"),
+        (envelope_with(published_at=[1]), "envelope published_at is an array, expected number"),
+        (envelope_with(published_at=1e22), "envelope published_at 1e+22 is not a time"),
+        (envelope_with(published_at=float("nan")), "envelope published_at nan is not a time"),
+        (
+            encode_json({**router_event(STORED, 1, 0), "x": nested(500)}),
+            f"field 'x' nests deeper than {MAX_DEPTH} levels",
+        ),
+        (encode_json(router_event(STORED, [1], 0)), "worker_id is an array, expected int or nil"),
+        (
+            encode_json({"worker_id": 1, "event": {"event_id": {}, "data": "cleared"}}),
+            "event_id is a map, expected int or nil",
+        ),
+        (
+            envelope_with(
+                payload=msgpack.packb(
+                    [
+                        {
+                            "worker_id": 1,
+                            "event": {"data": {"stored": {"blocks": [{"block_hash": 1, b"k": 2}]}}},
+                        }
+                    ]
+                )
+            ),
+            "stored block has a bytes key",
+        ),
+    ],
+)
 def test_hostile_messages_are_malformed_and_named(data, why):
     batch = decode_nats(ENVELOPE_SUBJECT, data, "nats://x")
     assert batch.error is not None and why in batch.error, batch.error
@@ -236,11 +319,19 @@ def valid_messages() -> list[bytes]:
     return [
         encode_envelope([router_event(STORED, 3, 0)], 7, 0, 1_700_000_000_000),
         encode_json(router_event({"type": "BlockRemoved", "block_hashes": [5]}, 1, 1)),
-        encode_envelope([router_event(STORED, 3, 2), router_event(
-            {"type": "BlockRemoved", "block_hashes": [5]}, 3, 3)], 7, 1, 1_700_000_000_001),
+        encode_envelope(
+            [
+                router_event(STORED, 3, 2),
+                router_event({"type": "BlockRemoved", "block_hashes": [5]}, 3, 3),
+            ],
+            7,
+            1,
+            1_700_000_000_001,
+        ),
         encode_json({**router_event(STORED, 1, 2), "edge": edge}),
-        encode_envelope([router_event({"type": "AllBlocksCleared"}, 3, 4)], 7, 2,
-                        1_700_000_000_002),
+        encode_envelope(
+            [router_event({"type": "AllBlocksCleared"}, 3, 4)], 7, 2, 1_700_000_000_002
+        ),
         encode_json(router_event(STORED, 1, 3)),
     ]
 
@@ -265,15 +356,28 @@ def run_live(*args: str, url: str, ready: str) -> tuple[int, str, str]:
 
 
 def test_tap_counts_every_hostile_message_and_keeps_every_valid_event(nats_server):
-    rc, out, err = run_live("tap", nats_server.url, "--json", "-c", str(VALID_EVENTS),
-                            url=nats_server.url, ready="kvctl: reading")
+    rc, out, err = run_live(
+        "tap",
+        nats_server.url,
+        "--json",
+        "-c",
+        str(VALID_EVENTS),
+        url=nats_server.url,
+        ready="kvctl: reading",
+    )
     assert rc == 0, err
     assert "Traceback" not in err
     rows = [json.loads(line) for line in out.splitlines()]
     assert len(rows) == VALID_EVENTS
-    assert [r["type"] for r in rows] == ["BlockStored", "BlockRemoved", "BlockStored",
-                                         "BlockRemoved", "BlockStored", "AllBlocksCleared",
-                                         "BlockStored"]
+    assert [r["type"] for r in rows] == [
+        "BlockStored",
+        "BlockRemoved",
+        "BlockStored",
+        "BlockRemoved",
+        "BlockStored",
+        "AllBlocksCleared",
+        "BlockStored",
+    ]
     assert f"malformed {len(HOSTILE)}" in err
     assert err.count("kvctl: malformed message") == len(HOSTILE)
     assert f"nests deeper than {MAX_DEPTH} levels" in err
@@ -281,8 +385,15 @@ def test_tap_counts_every_hostile_message_and_keeps_every_valid_event(nats_serve
 
 
 def test_live_check_reports_each_hostile_message_and_goes_on(nats_server):
-    rc, out, err = run_live("check", nats_server.url, "--json", "-c", str(VALID_EVENTS),
-                            url=nats_server.url, ready="kvctl: checking")
+    rc, out, err = run_live(
+        "check",
+        nats_server.url,
+        "--json",
+        "-c",
+        str(VALID_EVENTS),
+        url=nats_server.url,
+        ready="kvctl: checking",
+    )
     assert rc == 3, err  # KV001 findings, nothing else
     assert "Traceback" not in err
     assert f"malformed {len(HOSTILE)}" in err
@@ -292,8 +403,16 @@ def test_live_check_reports_each_hostile_message_and_goes_on(nats_server):
 
 def test_record_then_cat_and_check_agree_with_what_arrived(nats_server, tmp_path: Path):
     out_file = tmp_path / "hostile.parquet"
-    rc, _, err = run_live("record", nats_server.url, "-c", str(VALID_EVENTS),
-                          "-o", str(out_file), url=nats_server.url, ready="kvctl: recording")
+    rc, _, err = run_live(
+        "record",
+        nats_server.url,
+        "-c",
+        str(VALID_EVENTS),
+        "-o",
+        str(out_file),
+        url=nats_server.url,
+        ready="kvctl: recording",
+    )
     assert rc == 0, err
     assert "Traceback" not in err
     assert f"malformed {len(HOSTILE)}" in err and f"{VALID_EVENTS} events" in err

@@ -27,20 +27,29 @@ pytest.importorskip("dynamo.llm", reason="ai-dynamo-runtime is not installable o
 
 
 def dynamo_env(nats_url: str) -> dict[str, str]:
-    return {**os.environ, "NATS_SERVER": nats_url, "DYN_EVENT_PLANE": "nats",
-            "NATS_STARTUP_CONNECT_TIMEOUT_SECONDS": "10", "DYN_LOG": "warn"}
+    return {
+        **os.environ,
+        "NATS_SERVER": nats_url,
+        "DYN_EVENT_PLANE": "nats",
+        "NATS_STARTUP_CONNECT_TIMEOUT_SECONDS": "10",
+        "DYN_LOG": "warn",
+    }
 
 
 def run_dynamo(script: str, nats_url: str, timeout: float = 60) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)],
-                            env=dynamo_env(nats_url), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=dynamo_env(nats_url),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_tap_decodes_what_dynamo_kv_event_publisher_sends(nats_server):
     tap = start_kvctl("tap", nats_server.url, "--json", "-c", "4")
     wait_ready(tap)
-    publisher = run_dynamo("""
+    publisher = run_dynamo(
+        """
         import asyncio
         from dynamo.runtime import DistributedRuntime
         from dynamo.llm import KvEventPublisher
@@ -61,17 +70,24 @@ def test_tap_decodes_what_dynamo_kv_event_publisher_sends(nats_server):
             rt.shutdown()
 
         asyncio.run(main())
-    """, nats_server.url)
+    """,
+        nats_server.url,
+    )
     rc, out, err = finish(tap, timeout=60)
     publisher.wait(30)
     assert rc == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
-    assert [r["type"] for r in rows] == ["BlockStored", "BlockStored", "BlockRemoved",
-                                         "BlockRemoved"]
+    assert [r["type"] for r in rows] == [
+        "BlockStored",
+        "BlockStored",
+        "BlockRemoved",
+        "BlockRemoved",
+    ]
     assert {r["worker_id"] for r in rows} == {42}
     assert {r["format"] for r in rows} == {"dynamo-msgpack"}
     assert {r["topic"] for r in rows} == {
-        "namespace.kvctl.component.worker.endpoint.generate.kv-events"}
+        "namespace.kvctl.component.worker.endpoint.generate.kv-events"
+    }
     first, second, gone, gone2 = rows
     assert first["block_hashes"] == [111, 2**64 - 5] and first["parent_block_hash"] is None
     assert first["tokens_hashes"] == [tokens_hash(range(4)), tokens_hash(range(4, 8))]
@@ -86,7 +102,8 @@ def test_dynamo_relay_of_a_zmq_engine_stream(nats_server, endpoint):
     engine = Engine(endpoint)
     tap = start_kvctl("tap", nats_server.url, "--json", "-c", "4")
     wait_ready(tap)
-    relay = run_dynamo(f"""
+    relay = run_dynamo(
+        f"""
         import asyncio
         from dynamo.runtime import DistributedRuntime
         from dynamo.llm import KvEventPublisher
@@ -98,7 +115,9 @@ def test_dynamo_relay_of_a_zmq_engine_stream(nats_server, endpoint):
             await asyncio.sleep(30)  # ended by the test once kvctl has seen the events
 
         asyncio.run(main())
-    """, nats_server.url)
+    """,
+        nats_server.url,
+    )
     try:
         engine.wait_for()  # the relay's SUB joined our PUB
         engine.send([stored([1, 2], block_size=4)])
@@ -113,16 +132,18 @@ def test_dynamo_relay_of_a_zmq_engine_stream(nats_server, endpoint):
     assert rc == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["type"], r.get("block_hashes")) for r in rows] == [
-        ("BlockStored", [1, 2]), ("BlockStored", [3]), ("BlockRemoved", [1]),
-        ("AllBlocksCleared", None)]
+        ("BlockStored", [1, 2]),
+        ("BlockStored", [3]),
+        ("BlockRemoved", [1]),
+        ("AllBlocksCleared", None),
+    ]
     assert rows[0]["tokens_hashes"] == [tokens_hash(range(4)), tokens_hash(range(4, 8))]
     assert rows[1]["parent_block_hash"] == 2 and {r["worker_id"] for r in rows} == {7}
 
 
 def http_json(url: str, body: dict | None = None):
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data,
-                                     headers={"content-type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=5) as response:
         return json.loads(response.read() or b"null")
 
@@ -134,7 +155,8 @@ def indexer_blocks(port: int) -> dict[int, set[int]]:
         for ev in model["events"]:
             stored_data = ev["event"]["data"]["stored"]
             blocks.setdefault(ev["worker_id"], set()).update(
-                b["block_hash"] for b in stored_data["blocks"])
+                b["block_hash"] for b in stored_data["blocks"]
+            )
     return blocks
 
 
@@ -144,14 +166,41 @@ def test_dynamo_indexer_agrees_with_the_simulator(tmp_path):
     workers, requests, seed, num_blocks = 4, 60, 3, 600
     base = free_port_range(workers)
     http_port = free_port()
-    sim = start_kvctl("simulate", "--workers", str(workers), "--base-port", str(base),
-                      "--requests", str(requests), "--seed", str(seed), "--num-blocks",
-                      str(num_blocks), "--topspeed", "--wait-subscribers", "1", "-q", "--json")
+    sim = start_kvctl(
+        "simulate",
+        "--workers",
+        str(workers),
+        "--base-port",
+        str(base),
+        "--requests",
+        str(requests),
+        "--seed",
+        str(seed),
+        "--num-blocks",
+        str(num_blocks),
+        "--topspeed",
+        "--wait-subscribers",
+        "1",
+        "-q",
+        "--json",
+    )
     worker_list = ",".join(f"{i}=tcp://127.0.0.1:{base + i}" for i in range(workers))
     indexer = subprocess.Popen(
-        [sys.executable, "-m", "dynamo.indexer", "--block-size", "16", "--port", str(http_port),
-         "--workers", worker_list], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        env={**os.environ, "DYN_LOG": "warn"})
+        [
+            sys.executable,
+            "-m",
+            "dynamo.indexer",
+            "--block-size",
+            "16",
+            "--port",
+            str(http_port),
+            "--workers",
+            worker_list,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "DYN_LOG": "warn"},
+    )
     try:
         rc, out, err = finish(sim, timeout=120)
         assert rc == 0, err

@@ -44,9 +44,27 @@ def kvctl_in_process(*args: str) -> tuple[int, str]:
 
 def test_cat_pretty_hex_hashes_appear(tmp_path):
     path = tmp_path / "run.parquet"
-    write_recording(path, [encode_frames(b"", 0, encode_payload(
-        [stored([HEX_HASH, 0xABCDEF0123456789], parent=0xFEEDFACE00000001, lora_name="[bold]x",
-                lora_id=1)], 1.0, 0))])
+    write_recording(
+        path,
+        [
+            encode_frames(
+                b"",
+                0,
+                encode_payload(
+                    [
+                        stored(
+                            [HEX_HASH, 0xABCDEF0123456789],
+                            parent=0xFEEDFACE00000001,
+                            lora_name="[bold]x",
+                            lora_id=1,
+                        )
+                    ],
+                    1.0,
+                    0,
+                ),
+            )
+        ],
+    )
     code, out = kvctl_in_process("cat", str(path), "--hash-format", "hex")
     assert code == 0, out
     assert "2 blocks [d0326374b3… abcdef0123…]" in out
@@ -54,15 +72,15 @@ def test_cat_pretty_hex_hashes_appear(tmp_path):
     assert "· 1 event\n" in out  # the batch header counts in English
 
 
-
-
 @pytest.mark.parametrize("command", ["stats", "top", "check"])
 def test_a_producers_type_that_looks_like_markup_is_shown_literally(tmp_path, command):
     """Event types are the producer's text: on stderr (summary, findings) they are shown as
     sent, never parsed as rich markup (a stray closing tag crashed the summary line)."""
     path = tmp_path / "run.parquet"
-    write_recording(path, [encode_frames(b"", 0, encode_payload(
-        [{"type": "[/oops]", "block_hashes": [1]}], 1.0, 0))])
+    write_recording(
+        path,
+        [encode_frames(b"", 0, encode_payload([{"type": "[/oops]", "block_hashes": [1]}], 1.0, 0))],
+    )
     result = run_main(command, str(path))
     assert result.code == 0, result.err
     assert "Traceback" not in result.err and "([/oops] 1)" in result.err, result.err
@@ -78,19 +96,37 @@ def test_tap_pretty_hex_hashes_appear(engine):
 
 
 printable = st.text(alphabet="ab[]/\\:=#@ bold", min_size=1, max_size=20)
-field_values = st.one_of(printable, st.sampled_from(["[bold]", "[/]", "\\", "[/bold]x\\",
-                                                     ":thumbs_up:", "[link=x]y[/link]"]))
+field_values = st.one_of(
+    printable,
+    st.sampled_from(["[bold]", "[/]", "\\", "[/bold]x\\", ":thumbs_up:", "[link=x]y[/link]"]),
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(lora=field_values, medium=field_values, extra=field_values, source=field_values,
-       topic=field_values, worker=field_values, error=field_values)
+@given(
+    lora=field_values,
+    medium=field_values,
+    extra=field_values,
+    source=field_values,
+    topic=field_values,
+    worker=field_values,
+    error=field_values,
+)
 def test_any_text_value_is_shown_literally(lora, medium, extra, source, topic, worker, error):
-    event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-             "token_ids": [1], "block_size": 1, "lora_id": None, "lora_name": lora,
-             "medium": medium, "note": extra}
-    batch = Batch(source=source, events=[event], format="engine-map", topic=topic, seq=1,
-                  worker_id=worker)
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [1],
+        "block_size": 1,
+        "lora_id": None,
+        "lora_name": lora,
+        "medium": medium,
+        "note": extra,
+    }
+    batch = Batch(
+        source=source, events=[event], format="engine-map", topic=topic, seq=1, worker_id=worker
+    )
     sink = PrettySink()
     sink.console.file = out = io.StringIO()
     sink.write(batch, batch.events)
@@ -99,15 +135,15 @@ def test_any_text_value_is_shown_literally(lora, medium, extra, source, topic, w
         assert value in text, (value, text)
     diagnostics = StderrDiagnostics()
     diagnostics.console.file = err = io.StringIO()
-    diagnostics.malformed(Batch(source=source, events=[], format="unknown", error=error,
-                                frames=[b"x"]))
+    diagnostics.malformed(
+        Batch(source=source, events=[], format="unknown", error=error, frames=[b"x"])
+    )
     assert f"from {source}: {error} [1 bytes" in err.getvalue()
 
 
 def test_malformed_error_text_is_shown_literally(engine):
     """A Dynamo RouterEvent whose data is "[bold]x": the decoder's error quotes it."""
-    env = encode_envelope([{"worker_id": 1, "event": {"event_id": 0, "data": "[bold]x"}}], 1, 0,
-                          0)
+    env = encode_envelope([{"worker_id": 1, "event": {"event_id": 0, "data": "[bold]x"}}], 1, 0, 0)
     proc = start_kvctl("tap", engine.endpoint, "--idle-timeout", "1")
     engine.wait_for()
     engine.send_raw(encode_event_plane(env, 1, 0))
@@ -123,10 +159,13 @@ def test_hash_format_string_round_trips_above_2_53(tmp_path):
     path = tmp_path / "run.parquet"
     dynamo_event = router_event(stored([BIG - 1], parent=BIG - 2), 7, 0)
     dynamo_event["event"]["data"]["stored"]["blocks"][0]["tokens_hash"] = BIG - 3
-    write_recording(path, [
-        encode_frames(b"", 0, encode_payload([stored([BIG, -2], parent=BIG - 4)], 1.0, 0)),
-        encode_event_plane(encode_envelope([dynamo_event], 42, 0, 1_000), 42, 0),
-    ])
+    write_recording(
+        path,
+        [
+            encode_frames(b"", 0, encode_payload([stored([BIG, -2], parent=BIG - 4)], 1.0, 0)),
+            encode_event_plane(encode_envelope([dynamo_event], 42, 0, 1_000), 42, 0),
+        ],
+    )
     code, out = kvctl_in_process("cat", str(path), "--json", "--hash-format", "string")
     assert code == 0, out
     engine_row, dynamo_row = (json.loads(line) for line in out.splitlines())
@@ -150,9 +189,25 @@ def test_hash_format_string_round_trips_above_2_53(tmp_path):
 
 
 def bad_batch(seq: int) -> list[bytes]:
-    return [b"", seq.to_bytes(8, "big"), msgpack.packb(
-        [1.0, [{"type": "BlockStored", "block_hashes": "d0326374", "parent_block_hash": None,
-                "token_ids": [1, 2], "block_size": 2}], 0])]
+    return [
+        b"",
+        seq.to_bytes(8, "big"),
+        msgpack.packb(
+            [
+                1.0,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": "d0326374",
+                        "parent_block_hash": None,
+                        "token_ids": [1, 2],
+                        "block_size": 2,
+                    }
+                ],
+                0,
+            ]
+        ),
+    ]
 
 
 WHY = "event 0 (BlockStored): block_hashes is a str, expected an array of int or bytes"
@@ -209,10 +264,24 @@ def test_older_recordings_with_wrong_types_still_read_and_check(tmp_path):
     cat shows them (literally) and check reports them under KV002/KV206."""
     path = tmp_path / "old.parquet"
     writer = RecordingWriter(path)
-    event = {"type": "BlockStored", "block_hashes": "[bold]d03", "parent_block_hash": 1.5,
-             "token_ids": {"a": 1}, "block_size": 2}
-    writer.write(Batch(source="tcp://old:5557", events=[event], format="engine-map", seq=0,
-                       ts=1.0, recv_ns=T0_NS, frames=[b"", bytes(8), b"\x93"]))
+    event = {
+        "type": "BlockStored",
+        "block_hashes": "[bold]d03",
+        "parent_block_hash": 1.5,
+        "token_ids": {"a": 1},
+        "block_size": 2,
+    }
+    writer.write(
+        Batch(
+            source="tcp://old:5557",
+            events=[event],
+            format="engine-map",
+            seq=0,
+            ts=1.0,
+            recv_ns=T0_NS,
+            frames=[b"", bytes(8), b"\x93"],
+        )
+    )
     writer.close()
     code, out = kvctl_in_process("cat", str(path))
     assert code == 0 and "blocks=[bold]d03" in out and "tokens={'a': 1}" in out, out

@@ -65,11 +65,23 @@ def outage(server: NatsServer, store, seconds: float) -> NatsServer:
 
 
 def history(url: str, namespace: str) -> list[dict]:
-    result = run_kvctl("tap", url, "--from-start", "--json", "--idle-timeout", "2",
-                       "--subject", "nothing.here", timeout=60)
+    result = run_kvctl(
+        "tap",
+        url,
+        "--from-start",
+        "--json",
+        "--idle-timeout",
+        "2",
+        "--subject",
+        "nothing.here",
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
-    return [r for r in rows_of(result.stdout.decode())
-            if r["topic"].startswith(f"namespace-{namespace}-")]
+    return [
+        r
+        for r in rows_of(result.stdout.decode())
+        if r["topic"].startswith(f"namespace-{namespace}-")
+    ]
 
 
 @pytest.fixture
@@ -78,15 +90,27 @@ def store(tmp_path):
 
 
 @pytest.mark.parametrize("seconds", [1.0, 10.0])
-def test_replay_to_jetstream_survives_an_outage_and_its_acks_match_the_stream(tmp_path, store,
-                                                                           seconds):
+def test_replay_to_jetstream_survives_an_outage_and_its_acks_match_the_stream(
+    tmp_path, store, seconds
+):
     """10 s: the outage outlasts the sending, so the end waits for the server too."""
     path = tmp_path / "run.parquet"
     events = sum(len(b.events) for b in make_recording(path, batches=400))
     server = NatsServer(store)
     try:
-        replay = start_kvctl("replay", str(path), "--to", server.url, "--format", "dynamo-json",
-                             "--namespace", "out", "--rate", "50", "--json")
+        replay = start_kvctl(
+            "replay",
+            str(path),
+            "--to",
+            server.url,
+            "--format",
+            "dynamo-json",
+            "--namespace",
+            "out",
+            "--rate",
+            "50",
+            "--json",
+        )
         wait_until_stored(server.url, "namespace-out-component-backend-kv-events", 20)
         server = outage(server, store, seconds)
         rc, out, err = finish(replay, timeout=90)
@@ -103,9 +127,22 @@ def test_replay_to_jetstream_survives_an_outage_and_its_acks_match_the_stream(tm
 def test_simulate_to_jetstream_survives_an_outage_and_reports_what_was_stored(store):
     server = NatsServer(store)
     try:
-        simulate = start_kvctl("simulate", "--to", server.url, "--format", "dynamo-json",
-                               "--namespace", "sim", "--workers", "2", "--rate", "20",
-                               "--duration", "8", "--json")
+        simulate = start_kvctl(
+            "simulate",
+            "--to",
+            server.url,
+            "--format",
+            "dynamo-json",
+            "--namespace",
+            "sim",
+            "--workers",
+            "2",
+            "--rate",
+            "20",
+            "--duration",
+            "8",
+            "--json",
+        )
         wait_until_stored(server.url, "namespace-sim-component-backend-kv-events", 5)
         server = outage(server, store, OUTAGE_S)
         rc, out, err = finish(simulate, timeout=90)
@@ -139,8 +176,19 @@ def test_server_gone_at_the_end_is_counted_as_dropped(tmp_path, store):
     path = tmp_path / "run.parquet"
     make_recording(path, batches=150)
     server = NatsServer(store)
-    replay = start_kvctl("replay", str(path), "--to", server.url, "--format", "dynamo-json",
-                         "--namespace", "gone", "--rate", "50", "--json")
+    replay = start_kvctl(
+        "replay",
+        str(path),
+        "--to",
+        server.url,
+        "--format",
+        "dynamo-json",
+        "--namespace",
+        "gone",
+        "--rate",
+        "50",
+        "--json",
+    )
     wait_until_stored(server.url, "namespace-gone-component-backend-kv-events", 10)
     server.proc.kill()
     server.proc.wait()
@@ -159,10 +207,22 @@ def test_bridge_into_jetstream_survives_an_outage_and_loses_nothing(tmp_path, st
     engine = f"tcp://127.0.0.1:{free_port()}"
     server = NatsServer(store)
     try:
-        bridge = start_kvctl("bridge", engine, "--to", server.url, "--format", "dynamo-json",
-                             "--namespace", "br", "--idle-timeout", "3", "--json")
-        replay = start_kvctl("replay", str(path), "--to", engine, "--rate", "50",
-                             "--wait-subscribers", "1", "-q")
+        bridge = start_kvctl(
+            "bridge",
+            engine,
+            "--to",
+            server.url,
+            "--format",
+            "dynamo-json",
+            "--namespace",
+            "br",
+            "--idle-timeout",
+            "3",
+            "--json",
+        )
+        replay = start_kvctl(
+            "replay", str(path), "--to", engine, "--rate", "50", "--wait-subscribers", "1", "-q"
+        )
         wait_until_stored(server.url, "namespace-br-component-backend-kv-events", 20)
         server = outage(server, store, OUTAGE_S)
         assert finish(replay, timeout=60)[0] == 0

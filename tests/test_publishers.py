@@ -54,12 +54,27 @@ def test_replay_publishes_with_the_same_credentials_as_tap(guarded_nats, recordi
 
 
 def test_simulate_takes_the_credentials_from_kvctl_nats_variables(guarded_nats):
-    tap = start_kvctl("tap", guarded_nats.url, "--json", "--idle-timeout", "2",
-                      env={"KVCTL_NATS_USER": USER, "KVCTL_NATS_PASSWORD": PASSWORD})
+    tap = start_kvctl(
+        "tap",
+        guarded_nats.url,
+        "--json",
+        "--idle-timeout",
+        "2",
+        env={"KVCTL_NATS_USER": USER, "KVCTL_NATS_PASSWORD": PASSWORD},
+    )
     wait_ready(tap)
-    result = run_main("simulate", "--to", guarded_nats.url, "--workers", "2", "--requests",
-                      "5", "--topspeed", "--json",
-                      env={"KVCTL_NATS_USER": USER, "KVCTL_NATS_PASSWORD": PASSWORD})
+    result = run_main(
+        "simulate",
+        "--to",
+        guarded_nats.url,
+        "--workers",
+        "2",
+        "--requests",
+        "5",
+        "--topspeed",
+        "--json",
+        env={"KVCTL_NATS_USER": USER, "KVCTL_NATS_PASSWORD": PASSWORD},
+    )
     assert result.code == 0, result.err
     report = json.loads(result.out)
     rc, out, err = finish(tap)
@@ -68,13 +83,15 @@ def test_simulate_takes_the_credentials_from_kvctl_nats_variables(guarded_nats):
     assert report["delivery"]["published"] == report["batches"]
 
 
-@pytest.mark.parametrize("command", [
-    ("replay", "RECORDING", "--topspeed"),
-    ("simulate", "--workers", "1", "--requests", "1", "--topspeed"),
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("replay", "RECORDING", "--topspeed"),
+        ("simulate", "--workers", "1", "--requests", "1", "--topspeed"),
+    ],
+)
 @pytest.mark.parametrize("credentials", [(), ("--nats-user", USER, "--nats-password", "wrong")])
-def test_without_the_credentials_one_line_and_exit_1(guarded_nats, recording, command,
-                                                     credentials):
+def test_without_the_credentials_one_line_and_exit_1(guarded_nats, recording, command, credentials):
     args = [str(recording[0]) if a == "RECORDING" else a for a in command]
     result = run_main(*args, "--to", guarded_nats.url, *credentials)
     assert result.code == 1, result.err
@@ -86,8 +103,7 @@ def test_without_the_credentials_one_line_and_exit_1(guarded_nats, recording, co
 def test_a_password_in_the_url_is_never_shown(guarded_nats, recording):
     url = guarded_nats.url.replace("nats://", f"nats://{USER}:{PASSWORD}@")
     shown = url.replace(PASSWORD, "***")
-    simulate = run_main("simulate", "--to", url, "--workers", "1", "--requests", "2",
-                        "--topspeed")
+    simulate = run_main("simulate", "--to", url, "--workers", "1", "--requests", "2", "--topspeed")
     assert simulate.code == 0, simulate.err
     assert shown in simulate.err and PASSWORD not in simulate.err + simulate.out
     replay = run_main("replay", str(recording[0]), "--to", url, "--topspeed", "--json")
@@ -100,8 +116,9 @@ def test_a_password_in_the_url_is_never_shown(guarded_nats, recording):
 
 def test_bridge_target_uses_the_credentials(guarded_nats, engine):
     tap = tap_with_credentials(guarded_nats.url, 3)
-    bridge = start_kvctl("bridge", engine.endpoint, "--to", guarded_nats.url, "-c", "3",
-                         "--json", *CREDENTIALS)
+    bridge = start_kvctl(
+        "bridge", engine.endpoint, "--to", guarded_nats.url, "-c", "3", "--json", *CREDENTIALS
+    )
     engine.wait_for(1)
     for i in range(3):
         engine.send([stored([i + 1])])
@@ -115,13 +132,21 @@ def test_bridge_target_uses_the_credentials(guarded_nats, engine):
 
 # --- honest reports -------------------------------------------------------------------------
 
+
 def test_replay_to_nobody_says_nothing_was_received(recording):
-    result = run_main("replay", str(recording[0]), "--to", f"tcp://127.0.0.1:{free_port()}",
-                      "--topspeed")
+    result = run_main(
+        "replay", str(recording[0]), "--to", f"tcp://127.0.0.1:{free_port()}", "--topspeed"
+    )
     assert result.code == 0, result.err
     assert "sent to 0 subscribers: nothing was received" in result.err
-    as_json = run_main("replay", str(recording[0]), "--to", f"tcp://127.0.0.1:{free_port()}",
-                       "--topspeed", "--json")
+    as_json = run_main(
+        "replay",
+        str(recording[0]),
+        "--to",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--topspeed",
+        "--json",
+    )
     delivery = json.loads(as_json.out)["delivery"]
     assert delivery["subscribers_peak"] == 0 and delivery["subscribers_at_start"] == 0
 
@@ -129,16 +154,25 @@ def test_replay_to_nobody_says_nothing_was_received(recording):
 def test_simulate_to_nobody_says_nothing_was_received():
     from conftest import free_port_range
 
-    result = run_main("simulate", "--workers", "2", "--base-port", str(free_port_range(2)),
-                      "--requests", "3", "--topspeed")
+    result = run_main(
+        "simulate",
+        "--workers",
+        "2",
+        "--base-port",
+        str(free_port_range(2)),
+        "--requests",
+        "3",
+        "--topspeed",
+    )
     assert result.code == 0, result.err
     assert "sent to 0 subscribers: nothing was received" in result.err
 
 
 def test_report_gives_subscribers_at_start_and_end(recording):
     to = f"tcp://127.0.0.1:{free_port()}"
-    replay = start_kvctl("replay", str(recording[0]), "--to", to, "--wait-subscribers", "1",
-                         "--rate", "200")
+    replay = start_kvctl(
+        "replay", str(recording[0]), "--to", to, "--wait-subscribers", "1", "--rate", "200"
+    )
     tap = start_kvctl("tap", to, "--json", "--idle-timeout", "2", "--connect-timeout", "10")
     rc, _, err = finish(replay)
     assert rc == 0, err
@@ -149,16 +183,20 @@ def test_report_gives_subscribers_at_start_and_end(recording):
 
 def test_a_subscriber_that_left_is_not_counted_at_the_end(recording):
     to = f"tcp://127.0.0.1:{free_port()}"
-    replay = start_kvctl("replay", str(recording[0]), "--to", to, "--wait-subscribers", "1",
-                         "--rate", "20", "--json")
+    replay = start_kvctl(
+        "replay", str(recording[0]), "--to", to, "--wait-subscribers", "1", "--rate", "20", "--json"
+    )
     tap = start_kvctl("tap", to, "--json", "-c", "2", "--connect-timeout", "10")
     rc, _, err = finish(tap)
     assert rc == 0, err
     rc, out, err = finish(replay)
     assert rc == 0, err
     delivery = json.loads(out)["delivery"]
-    assert (delivery["subscribers_at_start"], delivery["subscribers_at_end"],
-            delivery["subscribers_peak"]) == (1, 0, 1)
+    assert (
+        delivery["subscribers_at_start"],
+        delivery["subscribers_at_end"],
+        delivery["subscribers_peak"],
+    ) == (1, 0, 1)
 
 
 def big_recording(path, batches: int, hashes: int) -> int:
@@ -184,8 +222,20 @@ def test_topspeed_into_a_slow_subscriber_waits_and_drops_nothing(tmp_path):
     sub.setsockopt(zmq.RCVBUF, 4096)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(to)
-    replay = start_kvctl("replay", str(path), "--to", to, "--format", "raw", "--topspeed",
-                         "--hwm", "5", "--wait-subscribers", "1", "--json")
+    replay = start_kvctl(
+        "replay",
+        str(path),
+        "--to",
+        to,
+        "--format",
+        "raw",
+        "--topspeed",
+        "--hwm",
+        "5",
+        "--wait-subscribers",
+        "1",
+        "--json",
+    )
     received = 0
     try:
         assert sub.poll(15_000), "nothing arrived"
@@ -209,8 +259,18 @@ def test_jetstream_acks_are_counted(guarded_nats, recording):
     # the guarded server, not the shared one: other tests read every stream's history there
     path, batches = recording
     events = sum(len(b.events) for b in batches)
-    result = run_main("replay", str(path), "--to", guarded_nats.url, "--format", "dynamo-json",
-                      "--namespace", "acks", "--topspeed", *CREDENTIALS)
+    result = run_main(
+        "replay",
+        str(path),
+        "--to",
+        guarded_nats.url,
+        "--format",
+        "dynamo-json",
+        "--namespace",
+        "acks",
+        "--topspeed",
+        *CREDENTIALS,
+    )
     assert result.code == 0, result.err
     stream = "namespace-acks-component-backend-kv-events"
     assert f"JetStream: {events} of {events} messages acked by stream {stream}" in result.err
@@ -229,8 +289,18 @@ def test_simulate_recording_keeps_no_secret_from_its_command_line(tmp_path):
     from conftest import run_kvctl
 
     out = tmp_path / "sim.parquet"
-    result = run_kvctl("simulate", "-o", str(out), "--workers", "1", "--requests", "2",
-                       "--nats-password", PASSWORD, "--nats-token=tok-secret")
+    result = run_kvctl(
+        "simulate",
+        "-o",
+        str(out),
+        "--workers",
+        "1",
+        "--requests",
+        "2",
+        "--nats-password",
+        PASSWORD,
+        "--nats-token=tok-secret",
+    )
     assert result.returncode == 0, result.stderr
     footer = pq.ParquetFile(out).metadata.metadata[b"kvctl"].decode()
     assert PASSWORD not in footer and "tok-secret" not in footer
@@ -248,37 +318,105 @@ def tls_nats(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("tls")
 
     def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True,
-                       timeout=30)
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=30)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-            "ca.pem", "-days", "1", "-subj", "/CN=kvctl-test-ca")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
-            "server.csr", "-subj", "/CN=127.0.0.1")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=kvctl-test-ca",
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    )
     (folder / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "san.cnf")
-    server = NatsServer(folder / "store", "--tls", "--tlscert", str(folder / "server.pem"),
-                        "--tlskey", str(folder / "server.key"), "--user", USER, "--pass",
-                        PASSWORD)
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.cnf",
+    )
+    server = NatsServer(
+        folder / "store",
+        "--tls",
+        "--tlscert",
+        str(folder / "server.pem"),
+        "--tlskey",
+        str(folder / "server.key"),
+        "--user",
+        USER,
+        "--pass",
+        PASSWORD,
+    )
     yield server, str(folder / "ca.pem")
     server.stop()
 
 
 def test_tls_options_reach_the_publisher(tls_nats):
     server, ca = tls_nats
-    tap = start_kvctl("tap", server.url, "--json", "--idle-timeout", "2", "--tls-ca", ca,
-                      *CREDENTIALS)
+    tap = start_kvctl(
+        "tap", server.url, "--json", "--idle-timeout", "2", "--tls-ca", ca, *CREDENTIALS
+    )
     wait_ready(tap)
-    result = run_main("simulate", "--to", server.url, "--workers", "1", "--requests", "3",
-                      "--topspeed", "--json", "--tls-ca", ca, *CREDENTIALS)
+    result = run_main(
+        "simulate",
+        "--to",
+        server.url,
+        "--workers",
+        "1",
+        "--requests",
+        "3",
+        "--topspeed",
+        "--json",
+        "--tls-ca",
+        ca,
+        *CREDENTIALS,
+    )
     assert result.code == 0, result.err
     report = json.loads(result.out)
     rc, out, err = finish(tap)
     assert rc == 0, err
     assert report["events"] > 0 and len(rows_of(out)) == report["events"]
-    untrusted = run_main("simulate", "--to", server.url, "--workers", "1", "--requests", "1",
-                         "--topspeed", *CREDENTIALS)
+    untrusted = run_main(
+        "simulate",
+        "--to",
+        server.url,
+        "--workers",
+        "1",
+        "--requests",
+        "1",
+        "--topspeed",
+        *CREDENTIALS,
+    )
     assert untrusted.code == 1
     assert untrusted.err.count("\n") == 1 and "CERTIFICATE_VERIFY_FAILED" in untrusted.err
 
@@ -291,8 +429,17 @@ def test_simulate_interrupted_still_says_who_could_receive():
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{base}")  # worker 0 only
-    simulate = start_kvctl("simulate", "--workers", "2", "--base-port", str(base),
-                           "--speedup", "20", "--router", "round-robin")
+    simulate = start_kvctl(
+        "simulate",
+        "--workers",
+        "2",
+        "--base-port",
+        str(base),
+        "--speedup",
+        "20",
+        "--router",
+        "round-robin",
+    )
     try:
         for _ in range(5):  # by then worker 1 has published too (round-robin)
             assert sub.poll(15_000), "worker 0 published nothing"

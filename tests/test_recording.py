@@ -44,14 +44,21 @@ def canonical_events(rnd: random.Random, n: int = 6) -> list[dict]:
     events = []
     for _ in range(n):
         k = rnd.randint(1, 4)
-        events.append({
-            "type": "BlockStored", "block_hashes": [rnd.getrandbits(64) for _ in range(k)],
-            "parent_block_hash": rnd.choice([None, rnd.getrandbits(64)]),
-            "token_ids": [rnd.randrange(150_000) for _ in range(16 * k)], "block_size": 16,
-            "lora_id": rnd.choice([None, 3]), "medium": "GPU",
-            "lora_name": rnd.choice([None, "ad"])})
-    events.append({"type": "BlockRemoved",
-                   "block_hashes": [rnd.getrandbits(64), rnd.getrandbits(64)]})
+        events.append(
+            {
+                "type": "BlockStored",
+                "block_hashes": [rnd.getrandbits(64) for _ in range(k)],
+                "parent_block_hash": rnd.choice([None, rnd.getrandbits(64)]),
+                "token_ids": [rnd.randrange(150_000) for _ in range(16 * k)],
+                "block_size": 16,
+                "lora_id": rnd.choice([None, 3]),
+                "medium": "GPU",
+                "lora_name": rnd.choice([None, "ad"]),
+            }
+        )
+    events.append(
+        {"type": "BlockRemoved", "block_hashes": [rnd.getrandbits(64), rnd.getrandbits(64)]}
+    )
     events.append({"type": "AllBlocksCleared"})
     return events
 
@@ -63,20 +70,34 @@ def all_format_batches(seed: int = 1) -> list[Batch]:
     out = []
     for seq, enc in enumerate(ez.ENGINE_ENCODINGS):
         payload = ez.encode_payload(evs, 1700000000.25 + seq, seq % 2, enc)
-        out.append(decode_zmq(ez.encode_frames(b"kv@pod-1@llama", seq, payload),
-                              "tcp://127.0.0.1:5557", recv_ns=1_000 + seq))
+        out.append(
+            decode_zmq(
+                ez.encode_frames(b"kv@pod-1@llama", seq, payload),
+                "tcp://127.0.0.1:5557",
+                recv_ns=1_000 + seq,
+            )
+        )
         out.append(decode_nats("kv.events", payload, "nats://127.0.0.1:4222", recv_ns=7))
     for seq, layout in enumerate(ez.ARRAY_LAYOUTS):
         payload = ez.encode_payload(evs, 1.5, 0, "vllm-array", layout)
-        out.append(decode_zmq(ez.encode_frames(b"t", 100 + seq, payload), "tcp://h:1",
-                              recv_ns=2_000, worker_id="w1", dp_rank=1))
+        out.append(
+            decode_zmq(
+                ez.encode_frames(b"t", 100 + seq, payload),
+                "tcp://h:1",
+                recv_ns=2_000,
+                worker_id="w1",
+                dp_rank=1,
+            )
+        )
     # EAGLE-style token pairs, bytes hashes, extra fields, a mixed map/array batch
     eagle = dict(evs[0], token_ids=[[1, 2], [3, 4]], extra_keys=[["img", 3]], group_idx=1)
-    byte_ev = dict(evs[1], block_hashes=[b"\x01" * 32, b"\x02" * 32],
-                   parent_block_hash=b"\x00" * 32)
+    byte_ev = dict(
+        evs[1], block_hashes=[b"\x01" * 32, b"\x02" * 32], parent_block_hash=b"\x00" * 32
+    )
     payload = ez.encode_payload([eagle, byte_ev], 2.0, 0, "vllm")
     out.append(decode_zmq(ez.encode_frames(b"t", 200, payload), "tcp://h:1"))
     import msgpack
+
     mixed = msgpack.packb([3.0, [ez.vllm_map_event(evs[0]), ez.vllm_array_event(evs[1])], 0])
     out.append(decode_zmq(ez.encode_frames(b"t", 201, mixed), "tcp://h:1"))
     # Dynamo: JSON, msgpack envelope over NATS, ZMQ event plane
@@ -90,15 +111,21 @@ def all_format_batches(seed: int = 1) -> list[Batch]:
     out.append(decode_zmq([b"only-one-frame"], "tcp://bad"))
     out.append(decode_zmq([b"t", (5).to_bytes(8, "big"), b"\xc1garbage"], "tcp://bad"))
     out.append(decode_nats("kv", b"\xc1\x00", "nats://n"))
-    out.append(decode_zmq(ez.encode_frames(b"t", 300, msgpack.packb([1.0, [], 0])),
-                          "tcp://h:1"))
+    out.append(decode_zmq(ez.encode_frames(b"t", 300, msgpack.packb([1.0, [], 0])), "tcp://h:1"))
     return out
 
 
 def test_decoders_cover_every_format() -> None:
     formats = {b.format for b in all_format_batches()}
-    assert {"engine-map", "engine-array", "engine-mixed", "dynamo-json", "dynamo-msgpack",
-            "dynamo-zmq", "unknown"} <= formats
+    assert {
+        "engine-map",
+        "engine-array",
+        "engine-mixed",
+        "dynamo-json",
+        "dynamo-msgpack",
+        "dynamo-zmq",
+        "unknown",
+    } <= formats
     assert sum(b.malformed for b in all_format_batches()) == 3
 
 
@@ -125,8 +152,14 @@ def test_raw_frames_always_kept_when_asked() -> None:
 
 
 def test_signed_hashes_and_gap_rows() -> None:
-    ev = {"type": "BlockStored", "block_hashes": [-5, 3, -(1 << 63)],
-          "parent_block_hash": -1, "token_ids": [1] * 48, "block_size": 16, "lora_id": None}
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [-5, 3, -(1 << 63)],
+        "parent_block_hash": -1,
+        "token_ids": [1] * 48,
+        "block_size": 16,
+        "lora_id": None,
+    }
     conflict = {"type": "BlockRemoved", "block_hashes": [-1, (1 << 64) - 1, 1 << 70]}
     b = Batch(source="s", events=[ev, conflict], format="engine-map", seq=1, ts=1.0)
     rb = batches_to_record_batch([b, Gap(("s", 7), 2, 4, 5, "s")])
@@ -152,8 +185,7 @@ def put(w: RecordingWriter, batches: Batch | list[Batch], mode: str = "raw") -> 
 
 
 def write_all(path: Path, batches: list[Batch], mode: str = "raw", **kw) -> dict:
-    w = RecordingWriter(path, metadata={"sources": ["tcp://x"], "argv": ["kvctl", "record"]},
-                        **kw)
+    w = RecordingWriter(path, metadata={"sources": ["tcp://x"], "argv": ["kvctl", "record"]}, **kw)
     put(w, batches, mode)
     return w.close()
 
@@ -231,8 +263,9 @@ def test_kill_9_then_recover(tmp_path: Path, mode: str) -> None:
     out = tmp_path / "run.parquet"
     script = KILL_SCRIPT.format(tests=str(REPO / "tests"), out=str(out), mode=mode)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)],
-                            stdout=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, env=env
+    )
     try:
         assert proc.stdout.readline().strip() == b"ready"
     finally:
@@ -259,8 +292,7 @@ def test_kill_9_then_recover(tmp_path: Path, mode: str) -> None:
 def test_rotation_by_size(tmp_path: Path, mode: str) -> None:
     out = tmp_path / "run"
     batches = all_format_batches() * 8
-    summary = write_all(out, batches, mode, rotate_size=20_000, flush_rows=20,
-                        background=False)
+    summary = write_all(out, batches, mode, rotate_size=20_000, flush_rows=20, background=False)
     parts = sorted(p.name for p in out.glob("part-*.parquet"))
     assert len(parts) > 2 and len(summary["files"]) == len(parts)
     assert not list(out.glob(".*"))  # no journal or temp left
@@ -337,12 +369,22 @@ def test_journal_is_ipc_stream(tmp_path: Path) -> None:
 _u64 = st.integers(0, (1 << 64) - 1)
 _i64 = st.integers(-(1 << 63), (1 << 63) - 1)
 _hash = st.one_of(_u64, _i64, st.binary(min_size=1, max_size=32))
-_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70),
-                    st.floats(allow_nan=False), st.text(max_size=8), st.binary(max_size=8))
-_any = st.recursive(_scalar, lambda inner: st.one_of(
-    st.lists(inner, max_size=3),
-    st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 9)), inner, max_size=3)),
-    max_leaves=6)
+_scalar = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 70), 1 << 70),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+)
+_any = st.recursive(
+    _scalar,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 9)), inner, max_size=3),
+    ),
+    max_leaves=6,
+)
 
 
 @st.composite
@@ -353,10 +395,11 @@ def events(draw: st.DrawFn) -> dict:
     fields = {
         "block_hashes": st.one_of(st.none(), st.lists(base[kind], max_size=5)),
         "parent_block_hash": st.one_of(st.none(), base[kind]),
-        "token_ids": st.one_of(st.none(), st.lists(st.integers(0, (1 << 32) - 1),
-                                                   max_size=20),
-                               st.lists(st.lists(st.integers(0, 99), max_size=2),
-                                        max_size=3)),
+        "token_ids": st.one_of(
+            st.none(),
+            st.lists(st.integers(0, (1 << 32) - 1), max_size=20),
+            st.lists(st.lists(st.integers(0, 99), max_size=2), max_size=3),
+        ),
         "block_size": st.one_of(st.none(), st.integers(0, 1 << 40)),
         "lora_id": st.one_of(st.none(), st.integers(-(1 << 65), 1 << 65)),
         "lora_name": st.one_of(st.none(), st.text(max_size=5), st.integers()),
@@ -378,14 +421,28 @@ def events(draw: st.DrawFn) -> dict:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.lists(events(), max_size=4), min_size=1, max_size=4),
-       st.one_of(st.none(), st.integers(0, 3), st.text(max_size=3)),
-       st.one_of(st.none(), st.integers(0, (1 << 64) - 1)))
+@given(
+    st.lists(st.lists(events(), max_size=4), min_size=1, max_size=4),
+    st.one_of(st.none(), st.integers(0, 3), st.text(max_size=3)),
+    st.one_of(st.none(), st.integers(0, (1 << 64) - 1)),
+)
 def test_schema_round_trip_property(groups: list[list[dict]], worker, seq) -> None:
-    batches = [Batch(source="tcp://h:1", events=evs, format="engine-map", topic="t", seq=seq,
-                     ts=1.5, recv_ns=i, worker_id=worker, dp_rank=0,
-                     frames=[b"raw", bytes([i])], publisher=("tcp://h:1", worker))
-               for i, evs in enumerate(groups)]
+    batches = [
+        Batch(
+            source="tcp://h:1",
+            events=evs,
+            format="engine-map",
+            topic="t",
+            seq=seq,
+            ts=1.5,
+            recv_ns=i,
+            worker_id=worker,
+            dp_rank=0,
+            frames=[b"raw", bytes([i])],
+            publisher=("tcp://h:1", worker),
+        )
+        for i, evs in enumerate(groups)
+    ]
     back = record_batch_to_batches(batches_to_record_batch(batches))
     assert back == batches
     for a, b in zip(batches, back, strict=True):
@@ -396,8 +453,13 @@ def test_schema_round_trip_property(groups: list[list[dict]], worker, seq) -> No
 
 @pytest.mark.parametrize("n", [0, 1])
 def test_batch_without_events_keeps_frames(n: int) -> None:
-    b = Batch(source="s", events=[], format="unknown", frames=[b"\xc1"] * n,
-              error="not msgpack" if n else None)
+    b = Batch(
+        source="s",
+        events=[],
+        format="unknown",
+        frames=[b"\xc1"] * n,
+        error="not msgpack" if n else None,
+    )
     rb = batches_to_record_batch([b])
     assert rb.num_rows == 1
     assert rb.column("type")[0].as_py() == ("Malformed" if n else None)
@@ -470,11 +532,13 @@ def test_parent_death_leaves_the_journal_to_recover(tmp_path: Path) -> None:
     leaves the journal alone: `recover` then converts it."""
     out = tmp_path / "run.parquet"
     script = KILL_SCRIPT.format(tests=str(REPO / "tests"), out=str(out), mode="raw")
-    script = script.replace('print("ready", flush=True)',
-                            'print("ready", w._converter.pid, flush=True)')
+    script = script.replace(
+        'print("ready", flush=True)', 'print("ready", w._converter.pid, flush=True)'
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)],
-                            stdout=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, env=env
+    )
     try:
         line = proc.stdout.readline().split()
         assert line[0] == b"ready"
@@ -526,5 +590,11 @@ def test_dictionary_columns_read_back_across_chunks_with_nulls():
 
     first = pa.array(["GPU", "CPU", None, "GPU"]).dictionary_encode()
     second = pa.array(["DISK", None]).dictionary_encode()  # another dictionary
-    assert _to_pylist(pa.chunked_array([first, second])) == ["GPU", "CPU", None, "GPU", "DISK",
-                                                             None]
+    assert _to_pylist(pa.chunked_array([first, second])) == [
+        "GPU",
+        "CPU",
+        None,
+        "GPU",
+        "DISK",
+        None,
+    ]

@@ -21,8 +21,11 @@ def small_disk(tmp_path: Path):
     mount.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, timeout=10)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+        capture_output=True,
+        timeout=10,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     try:
@@ -33,9 +36,22 @@ def small_disk(tmp_path: Path):
 
 def test_record_on_a_full_disk_keeps_what_was_flushed(tmp_path, small_disk):
     port = free_port()  # a live engine fills the 1 MiB disk in a few seconds
-    engine = start_kvctl("simulate", "--workers", "1", "--base-port", str(port),
-                         "--wait-subscribers", "1", "--rate", "200", "--speedup", "5",
-                         "--duration", "300", "-q")
+    engine = start_kvctl(
+        "simulate",
+        "--workers",
+        "1",
+        "--base-port",
+        str(port),
+        "--wait-subscribers",
+        "1",
+        "--rate",
+        "200",
+        "--speedup",
+        "5",
+        "--duration",
+        "300",
+        "-q",
+    )
     output = small_disk / "run.parquet"
 
     try:

@@ -21,8 +21,14 @@ def deep_payload(levels: int = 500) -> bytes:
     value: object = 1
     for _ in range(levels):
         value = [value]
-    event = {"type": "BlockStored", "block_hashes": [2], "parent_block_hash": None,
-             "token_ids": [1, 2], "block_size": 2, "nested": value}
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [2],
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 2,
+        "nested": value,
+    }
     return msgpack.packb([1_700_000_000.5, [event], 0])  # ~1 KB
 
 
@@ -44,6 +50,7 @@ def test_a_deeply_nested_value_is_recorded_as_malformed(engine, tmp_path):
     assert cat.returncode == 0 and "nests deeper than" in cat.stderr.decode(), cat.stderr
     assert [json.loads(x)["block_hashes"] for x in cat.stdout.splitlines()] == [[1], [3]]
     from kvctl.transports.files import open_recording
+
     assert [b.frames[2] for b in open_recording(path) if b.error] == [payload]
 
 
@@ -52,8 +59,9 @@ def test_a_journal_holding_a_deep_value_stays_readable(tmp_path, command):
     payload = deep_payload()
     work = Path(tempfile.mkdtemp(dir=tmp_path))
     w = RecordingWriter(work / "run.parquet", background=False, converter=False)
-    for seq, frames in enumerate([msgpack.packb([1.5, [{"type": "AllBlocksCleared"}], 0]),
-                                  payload]):
+    for seq, frames in enumerate(
+        [msgpack.packb([1.5, [{"type": "AllBlocksCleared"}], 0]), payload]
+    ):
         w.write_message(decode_zmq([b"", seq.to_bytes(8, "big"), frames], "tcp://127.0.0.1:1"))
     w.flush()  # the recorder "died" here: only the journal is left
     journal = tmp_path / "run.parquet.journal"

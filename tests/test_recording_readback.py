@@ -56,9 +56,14 @@ def test_empty_dynamo_envelopes_keep_their_row(nats_server, tmp_path):
     assert line.startswith("kvctl: recording"), line
     subject = "namespace.n.component.c.endpoint.e.kv-events"
     ev = router_event({"type": "BlockRemoved", "block_hashes": [7]}, 5, 0)
-    publish(nats_server.url, [(subject, encode_envelope([ev], 5, 0, 1000)),
-                              (subject, encode_envelope([], 5, 1, 1001)),
-                              (subject, encode_envelope([ev], 5, 2, 1002))])
+    publish(
+        nats_server.url,
+        [
+            (subject, encode_envelope([ev], 5, 0, 1000)),
+            (subject, encode_envelope([], 5, 1, 1001)),
+            (subject, encode_envelope([ev], 5, 2, 1002)),
+        ],
+    )
     rc, _, err = finish(proc, timeout=30)
     assert rc == 0 and "in 3 batches" in err, err
     info = inspect(path)

@@ -27,10 +27,14 @@ def kvctl(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, 
 def engine_batches(first: int, count: int, recv_ns: int = 1_000) -> list:
     out = []
     for seq in range(first, first + count):
-        payload = ez.encode_payload([{"type": "BlockRemoved", "block_hashes": [seq]}],
-                                    1.5, 0, "vllm")
-        out.append(decode_zmq(ez.encode_frames(b"", seq, payload), "tcp://127.0.0.1:1",
-                              recv_ns=recv_ns + seq))
+        payload = ez.encode_payload(
+            [{"type": "BlockRemoved", "block_hashes": [seq]}], 1.5, 0, "vllm"
+        )
+        out.append(
+            decode_zmq(
+                ez.encode_frames(b"", seq, payload), "tcp://127.0.0.1:1", recv_ns=recv_ns + seq
+            )
+        )
     return out
 
 
@@ -86,8 +90,7 @@ def test_recover_never_replaces_an_existing_recording(tmp_path, capsys):
     assert seqs(tmp_path / "y.parquet") == list(range(100, 107))
 
 
-def test_recover_finishes_a_conversion_interrupted_before_the_journal_was_removed(
-        tmp_path, capsys):
+def test_recover_finishes_a_conversion_interrupted_before_the_journal_was_removed(tmp_path, capsys):
     path = tmp_path / "x.parquet"
     journal = leave_journal(path, 0, 5)
     saved = journal.read_bytes()
@@ -173,22 +176,24 @@ def test_rotation_directory_of_another_run_needs_append(tmp_path, capsys):
     code, _, err = kvctl(capsys, "record", later, "-o", run, "--rotate-size", "1G", "-q")
     assert code == 2 and "--append" in err, err
     assert listing(run) == before
-    code, _, err = kvctl(capsys, "record", later, "-o", run, "--rotate-size", "1G", "-q",
-                         "--append")
+    code, _, err = kvctl(
+        capsys, "record", later, "-o", run, "--rotate-size", "1G", "-q", "--append"
+    )
     assert code == 0, err
     assert seqs(run) == [0, 1, 2, 10, 11]
     import json
+
     manifest = json.loads((run / "_manifest.json").read_text())
-    assert [s["file"] for s in manifest["segments"]] == ["part-00000.parquet",
-                                                         "part-00001.parquet"]
+    assert [s["file"] for s in manifest["segments"]] == ["part-00000.parquet", "part-00001.parquet"]
     assert manifest["counts"]["batches"] == 5
     # --append needs rotation; a directory of other files is not a recording to append to
     assert kvctl(capsys, "record", later, "-o", tmp_path / "f.parquet", "--append")[0] == 2
     other = tmp_path / "other"
     other.mkdir()
     (other / "x.txt").write_text("x")
-    code, _, err = kvctl(capsys, "record", later, "-o", other, "--rotate-size", "1G",
-                         "--append", "-q")
+    code, _, err = kvctl(
+        capsys, "record", later, "-o", other, "--rotate-size", "1G", "--append", "-q"
+    )
     assert code == 2 and listing(other) == {"x.txt": b"x"}, err
 
 
@@ -198,9 +203,16 @@ def test_rotation_directory_of_another_run_needs_append(tmp_path, capsys):
 def reading_commands(path: Path) -> list[list]:
     from conftest import free_port
 
-    return [["cat", path], ["cat", path, "--json"], ["inspect", path], ["inspect", path, "--json"],
-            ["check", path], ["stats", path], ["tap", path],
-            ["replay", path, "--to", f"tcp://127.0.0.1:{free_port()}", "--topspeed"]]
+    return [
+        ["cat", path],
+        ["cat", path, "--json"],
+        ["inspect", path],
+        ["inspect", path, "--json"],
+        ["check", path],
+        ["stats", path],
+        ["tap", path],
+        ["replay", path, "--to", f"tcp://127.0.0.1:{free_port()}", "--topspeed"],
+    ]
 
 
 def assert_refused(capsys, path: Path, expected: str) -> None:
@@ -220,8 +232,7 @@ def test_a_parquet_file_kvctl_did_not_write_is_refused(tmp_path, capsys):
     assert_refused(capsys, foreign, "not a kvctl recording (no kvctl metadata)")
     # the same file among the segments of a recording directory
     run = tmp_path / "run"
-    assert kvctl(capsys, "record", _tiny(tmp_path), "-o", run, "--rotate-size", "1G",
-                 "-q")[0] == 0
+    assert kvctl(capsys, "record", _tiny(tmp_path), "-o", run, "--rotate-size", "1G", "-q")[0] == 0
     shutil.copyfile(foreign, run / "part-00007.parquet")
     assert_refused(capsys, run, "part-00007.parquet: not a kvctl recording")
 
@@ -244,7 +255,8 @@ def test_a_column_of_the_wrong_type_is_named(tmp_path, capsys):
     with pq.ParquetWriter(bad, table.schema) as writer:  # kvctl's footer, one column retyped
         writer.write_table(table)
         writer.add_key_value_metadata(
-            {"kvctl": pq.ParquetFile(good).metadata.metadata[b"kvctl"].decode()})
+            {"kvctl": pq.ParquetFile(good).metadata.metadata[b"kvctl"].decode()}
+        )
     assert_refused(capsys, bad, "column seq has type string, expected uint64")
 
 
@@ -258,8 +270,9 @@ def test_a_damaged_recording_is_one_line(tmp_path, capsys):
         assert sum("cannot read recording" in line for line in err.splitlines()) == 1, err
 
 
-def test_a_file_that_appears_at_the_output_during_recording_is_not_replaced(engine, tmp_path,
-                                                                             capsys):
+def test_a_file_that_appears_at_the_output_during_recording_is_not_replaced(
+    engine, tmp_path, capsys
+):
     from conftest import finish, read_line, removed, start_kvctl
 
     path = tmp_path / "run.parquet"
@@ -293,8 +306,11 @@ def test_recover_leaves_a_running_recorders_journal_alone(engine, tmp_path, caps
     journals: list = []
     deadline = time.monotonic() + 15
     while not journals and time.monotonic() < deadline:  # the first flush is the signal
-        journals = list(path.glob(".*.journal")) if rotate else [
-            j for j in [tmp_path / "run.parquet.journal"] if j.exists()]
+        journals = (
+            list(path.glob(".*.journal"))
+            if rotate
+            else [j for j in [tmp_path / "run.parquet.journal"] if j.exists()]
+        )
         time.sleep(0.05)
     before = {j: j.read_bytes() for j in journals}
     code, _, err = kvctl(capsys, "recover", path)
@@ -319,7 +335,8 @@ def test_a_doctored_row_is_one_line_not_a_traceback(tmp_path, capsys):
     with pq.ParquetWriter(bad, table.schema) as writer:
         writer.write_table(table)
         writer.add_key_value_metadata(
-            {"kvctl": pq.ParquetFile(good).metadata.metadata[b"kvctl"].decode()})
+            {"kvctl": pq.ParquetFile(good).metadata.metadata[b"kvctl"].decode()}
+        )
     for args in (["cat", bad], ["check", bad], ["tap", bad, "--json"]):
         code, out, err = kvctl(capsys, *args)
         assert code == 1 and "Traceback" not in err, (args, err)

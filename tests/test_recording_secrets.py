@@ -42,14 +42,19 @@ def assert_no_secret_in_files(directory: Path) -> None:
 
 def messages() -> list[tuple[str, bytes]]:
     ev = router_event({"type": "BlockRemoved", "block_hashes": [7]}, 5, 0)
-    return [(SUBJECT, encode_envelope([ev], 5, 0, 1000)),
-            (SUBJECT, b"\xc1 not msgpack"),  # malformed: shown on stderr with its source
-            (SUBJECT, encode_envelope([ev], 5, 1, 1001))]
+    return [
+        (SUBJECT, encode_envelope([ev], 5, 0, 1000)),
+        (SUBJECT, b"\xc1 not msgpack"),  # malformed: shown on stderr with its source
+        (SUBJECT, encode_envelope([ev], 5, 1, 1001)),
+    ]
 
 
 def check_readers(path: Path) -> None:
-    for args in (["inspect", str(path)], ["inspect", str(path), "--json"],
-                 ["cat", str(path), "--json"]):
+    for args in (
+        ["inspect", str(path)],
+        ["inspect", str(path), "--json"],
+        ["cat", str(path), "--json"],
+    ):
         result = run_kvctl(*args)
         assert result.returncode == 0, result.stderr
         assert SECRET.encode() not in result.stdout + result.stderr, args
@@ -59,8 +64,19 @@ def test_password_option_never_written_or_shown(auth_server, tmp_path):
     out = tmp_path / "rec"
     out.mkdir()
     path = out / "run.parquet"
-    proc = start_kvctl("record", auth_server.url, "--nats-user", "u", "--nats-password", SECRET,
-                       "-o", str(path), "--idle-timeout", "2", "--json")
+    proc = start_kvctl(
+        "record",
+        auth_server.url,
+        "--nats-user",
+        "u",
+        "--nats-password",
+        SECRET,
+        "-o",
+        str(path),
+        "--idle-timeout",
+        "2",
+        "--json",
+    )
     first = read_line(proc.stderr)
     assert first.startswith("kvctl: recording") and SECRET not in first, first
     publish(f"nats://u:{SECRET}@127.0.0.1:{auth_server.port}", messages())
@@ -104,10 +120,33 @@ def test_redaction_functions():
     assert redact_url("1=nats://tok3n@h:4222/subj") == "1=nats://***@h:4222/subj"
     assert redact_url("nats://h:4222?token=abc&x=1") == "nats://h:4222?token=***&x=1"
     assert redact_url("tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5557"
-    assert redact_argv(["record", "nats://u:pw@h", "--nats-password", "pw", "--nats-token=t",
-                        "--nats-creds", "/c.creds", "--tls-key", "k.pem", "-o", "x"]) == [
-        "record", "nats://u:***@h", "--nats-password", "***", "--nats-token=***",
-        "--nats-creds", "***", "--tls-key", "***", "-o", "x"]
+    assert redact_argv(
+        [
+            "record",
+            "nats://u:pw@h",
+            "--nats-password",
+            "pw",
+            "--nats-token=t",
+            "--nats-creds",
+            "/c.creds",
+            "--tls-key",
+            "k.pem",
+            "-o",
+            "x",
+        ]
+    ) == [
+        "record",
+        "nats://u:***@h",
+        "--nats-password",
+        "***",
+        "--nats-token=***",
+        "--nats-creds",
+        "***",
+        "--tls-key",
+        "***",
+        "-o",
+        "x",
+    ]
 
 
 @pytest.mark.parametrize("command", ["tap", "check", "bridge"])

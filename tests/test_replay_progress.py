@@ -19,18 +19,30 @@ from inprocess import run_main
 
 def test_progress_shows_done_total_percent_and_eta(tmp_path):
     recording = tmp_path / "sim.parquet"
-    made = run_main("simulate", "-o", str(recording), "--workers", "2", "--requests", "30",
-                    "--json", "-q")
+    made = run_main(
+        "simulate", "-o", str(recording), "--workers", "2", "--requests", "30", "--json", "-q"
+    )
     assert made.code == 0, made.err
     total = int(re.search(r'"batches":(\d+)', made.out).group(1))
     loops = 2
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     proc = subprocess.Popen(
-        kvctl_cmd("replay", str(recording), "--to", f"tcp://127.0.0.1:{free_port()}",
-                  "--rate", str(total), "--loop", str(loops)),  # ~2 s: several redraws
-        stdout=subprocess.DEVNULL, stderr=slave, cwd=REPO,
-        env={**os.environ, "TERM": "xterm", "COLUMNS": "160"})
+        kvctl_cmd(
+            "replay",
+            str(recording),
+            "--to",
+            f"tcp://127.0.0.1:{free_port()}",
+            "--rate",
+            str(total),
+            "--loop",
+            str(loops),
+        ),  # ~2 s: several redraws
+        stdout=subprocess.DEVNULL,
+        stderr=slave,
+        cwd=REPO,
+        env={**os.environ, "TERM": "xterm", "COLUMNS": "160"},
+    )
     os.close(slave)
     screen = b""
     deadline = time.monotonic() + 60

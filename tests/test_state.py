@@ -23,9 +23,15 @@ KEY = (SRC, 0)
 
 
 def stored(hashes, parent=None, size=4, **extra):
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-            "token_ids": list(range(size * len(hashes))), "block_size": size, "lora_id": None,
-            **extra}
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": list(range(size * len(hashes))),
+        "block_size": size,
+        "lora_id": None,
+        **extra,
+    }
 
 
 def removed(hashes):
@@ -33,8 +39,9 @@ def removed(hashes):
 
 
 def batch(events, seq=None, ts=None, source=SRC, **kw) -> Batch:
-    return Batch(source=source, events=events, format="engine-map", seq=seq, ts=ts,
-                 publisher=source, **kw)
+    return Batch(
+        source=source, events=events, format="engine-map", seq=seq, ts=ts, publisher=source, **kw
+    )
 
 
 def kinds(anomalies):
@@ -94,17 +101,27 @@ def test_removal_keeps_descendants_like_dynamo():
 
 def test_anomalies():
     st = StreamState()
-    found = st.apply(batch([
-        removed([9]),                    # never stored
-        stored([1]),
-        stored([1]),                     # duplicate
-        stored([2], parent=42),          # parent unknown (kept: engine view)
-        {"type": "BlockStored", "block_hashes": "nope"},
-        {"type": "Frobbed"},
-        "not a map",
-    ]))
-    assert kinds(found) == [REMOVE_UNKNOWN, DUPLICATE_STORE, PARENT_UNKNOWN, INVALID_EVENT,
-                            UNKNOWN_TYPE, INVALID_EVENT]
+    found = st.apply(
+        batch(
+            [
+                removed([9]),  # never stored
+                stored([1]),
+                stored([1]),  # duplicate
+                stored([2], parent=42),  # parent unknown (kept: engine view)
+                {"type": "BlockStored", "block_hashes": "nope"},
+                {"type": "Frobbed"},
+                "not a map",
+            ]
+        )
+    )
+    assert kinds(found) == [
+        REMOVE_UNKNOWN,
+        DUPLICATE_STORE,
+        PARENT_UNKNOWN,
+        INVALID_EVENT,
+        UNKNOWN_TYPE,
+        INVALID_EVENT,
+    ]
     assert found[0].hash == 9 and found[2].hash == 42
     assert st.is_cached(KEY, 2)
 
@@ -139,9 +156,11 @@ def test_sources_without_worker_ids_do_not_share_a_cache():
 
 
 def test_per_event_worker_ids_from_dynamo_override_the_batch():
-    evs = [dynamo.router_event(stored([1, 2]), worker_id=7, event_id=0, dp_rank=0),
-           dynamo.router_event(stored([1]), worker_id=8, event_id=0, dp_rank=2),
-           dynamo.router_event(removed([2]), worker_id=7, event_id=1, dp_rank=0)]
+    evs = [
+        dynamo.router_event(stored([1, 2]), worker_id=7, event_id=0, dp_rank=0),
+        dynamo.router_event(stored([1]), worker_id=8, event_id=0, dp_rank=2),
+        dynamo.router_event(removed([2]), worker_id=7, event_id=1, dp_rank=0),
+    ]
     data = dynamo.encode_envelope(evs, publisher_id=1, sequence=0, published_at_ms=5000)
     b = decode_nats("namespace.x.component.y.kv-events", data, "nats://x")
     assert b.error is None
@@ -179,8 +198,9 @@ def test_seq_tracker():
     tr = SeqTracker()
 
     def obs(seq, ts=None, recovered=False, pub="p"):
-        b = Batch(source="s", events=[], format="x", seq=seq, ts=ts, publisher=pub,
-                  recovered=recovered)
+        b = Batch(
+            source="s", events=[], format="x", seq=seq, ts=ts, publisher=pub, recovered=recovered
+        )
         return [(e.kind, e.missing) for e in tr.observe(b)]
 
     assert obs(0, 1.0) == []
@@ -196,8 +216,15 @@ def test_seq_tracker():
     assert obs(None) == []
     assert obs(0, pub="other") == []
     s = tr.summary()["p"]
-    assert (s["gaps"], s["missing"], s["recovered"], s["reorders"], s["duplicates"],
-            s["resets"], s["last_seq"]) == (1, 1, 1, 1, 1, 1, 0)  # seq 4 never came
+    assert (
+        s["gaps"],
+        s["missing"],
+        s["recovered"],
+        s["reorders"],
+        s["duplicates"],
+        s["resets"],
+        s["last_seq"],
+    ) == (1, 1, 1, 1, 1, 1, 0)  # seq 4 never came
 
 
 def test_seq_tracker_bounds_outstanding_gaps():
@@ -210,8 +237,29 @@ def test_seq_tracker_bounds_outstanding_gaps():
 
 def test_raw_array_events_survive():
     # An array-form event with extra trailing fields decodes with field_N keys; state accepts it.
-    payload = msgpack.packb([1.0, [["BlockStored", [1], None, [0, 1], 2, None, "GPU", None,
-                                    None, None, None, None, "extra"]], 0])
+    payload = msgpack.packb(
+        [
+            1.0,
+            [
+                [
+                    "BlockStored",
+                    [1],
+                    None,
+                    [0, 1],
+                    2,
+                    None,
+                    "GPU",
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    "extra",
+                ]
+            ],
+            0,
+        ]
+    )
     b = decode_zmq(engine_zmq.encode_frames(b"", 0, payload), SRC)
     st = StreamState()
     assert st.apply(b) == []

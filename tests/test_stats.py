@@ -14,9 +14,16 @@ from kvctl.stats import StatsCollector, lifetime_summary, percentile
 
 
 def stored(hashes, parent=None, lora_name=None, medium="GPU"):
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-            "token_ids": list(range(4 * len(hashes))), "block_size": 4, "lora_id": None,
-            "medium": medium, "lora_name": lora_name}
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": list(range(4 * len(hashes))),
+        "block_size": 4,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": lora_name,
+    }
 
 
 def removed(hashes):
@@ -24,8 +31,15 @@ def removed(hashes):
 
 
 def mk(source, seq, t, events):
-    return Batch(source=source, events=events, format="engine-map", seq=seq, ts=t,
-                 recv_ns=round(t * 1e9), publisher=source)
+    return Batch(
+        source=source,
+        events=events,
+        format="engine-map",
+        seq=seq,
+        ts=t,
+        recv_ns=round(t * 1e9),
+        publisher=source,
+    )
 
 
 # Worker a: stores 1,2 at 100.0 and 3 (child of 2) at 100.5; removes 1 at 101.2, 2 and 3 at 103.
@@ -73,8 +87,11 @@ def test_rates_and_occupancy(result):
     assert result["workers"]["a[dp0]"]["events_per_bucket"] == [2, 1, 0, 1]
     assert result["workers"]["b[dp0]"]["events_per_bucket"] == [1, 0, 1, 0]
     assert result["occupancy"]["samples"] == [
-        {"a[dp0]": 3, "b[dp0]": 1}, {"a[dp0]": 2, "b[dp0]": 1},
-        {"a[dp0]": 2, "b[dp0]": 0}, {"a[dp0]": 0, "b[dp0]": 0}]
+        {"a[dp0]": 3, "b[dp0]": 1},
+        {"a[dp0]": 2, "b[dp0]": 1},
+        {"a[dp0]": 2, "b[dp0]": 0},
+        {"a[dp0]": 0, "b[dp0]": 0},
+    ]
 
 
 def test_lifetimes(result):
@@ -127,6 +144,7 @@ def test_lifetime_reservoir_is_bounded_and_deterministic():
             sc.feed(mk("a", 2 * i, float(i), [stored([i + 1])]))
             sc.feed(mk("a", 2 * i + 1, i + 0.5, [removed([i + 1])]))
         return sc.result()
+
     r1, r2 = run(), run()
     assert r1["lifetime_s"]["count"] == 50
     assert r1["lifetime_s"]["p50"] == pytest.approx(0.5)
@@ -161,17 +179,38 @@ def test_stats_never_raise_on_odd_batches():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    junk = st.one_of(st.none(), st.integers(-(1 << 70), 1 << 70), st.floats(), st.text(max_size=3),
-                     st.binary(max_size=4), st.lists(st.integers(), max_size=2))
-    event = st.one_of(junk, st.fixed_dictionaries(
-        {"type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "X"])},
-        optional={"block_hashes": st.one_of(st.lists(junk, max_size=3), junk),
-                  "parent_block_hash": junk, "lora_name": junk, "lora_id": junk,
-                  "medium": junk, "worker_id": junk, "dp_rank": junk}))
-    batch = st.builds(Batch, source=st.just("s"), events=st.lists(event, max_size=4),
-                      format=st.just("x"), seq=st.one_of(st.none(), st.integers(0, 5)),
-                      ts=st.one_of(st.none(), st.floats()),
-                      recv_ns=st.one_of(st.just(0), st.integers(0, 10**12)))
+    junk = st.one_of(
+        st.none(),
+        st.integers(-(1 << 70), 1 << 70),
+        st.floats(),
+        st.text(max_size=3),
+        st.binary(max_size=4),
+        st.lists(st.integers(), max_size=2),
+    )
+    event = st.one_of(
+        junk,
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "X"])},
+            optional={
+                "block_hashes": st.one_of(st.lists(junk, max_size=3), junk),
+                "parent_block_hash": junk,
+                "lora_name": junk,
+                "lora_id": junk,
+                "medium": junk,
+                "worker_id": junk,
+                "dp_rank": junk,
+            },
+        ),
+    )
+    batch = st.builds(
+        Batch,
+        source=st.just("s"),
+        events=st.lists(event, max_size=4),
+        format=st.just("x"),
+        seq=st.one_of(st.none(), st.integers(0, 5)),
+        ts=st.one_of(st.none(), st.floats()),
+        recv_ns=st.one_of(st.just(0), st.integers(0, 10**12)),
+    )
 
     @settings(max_examples=100, deadline=None)
     @given(st.lists(batch, max_size=8))
@@ -188,7 +227,8 @@ def test_stats_never_raise_on_odd_batches():
 
 needs_matplotlib = pytest.mark.skipif(
     find_spec("matplotlib") is None,
-    reason="matplotlib is not installed (the plot extra): pip install 'matplotlib>=3.7'")
+    reason="matplotlib is not installed (the plot extra): pip install 'matplotlib>=3.7'",
+)
 
 WALL = 1_796_000_000.0  # 2026-11-30, a wall-clock receive time
 
@@ -196,9 +236,14 @@ WALL = 1_796_000_000.0  # 2026-11-30, a wall-clock receive time
 def wall_clock_result() -> dict:
     """Worker a on the wall clock: lifetimes of 0.3 s, 3 s and 30 s."""
     sc = StatsCollector()
-    for seq, (t, events) in enumerate([
-            (0.0, [stored([1, 2, 3])]), (0.3, [removed([1])]), (3.0, [removed([2])]),
-            (30.0, [removed([3])])]):
+    for seq, (t, events) in enumerate(
+        [
+            (0.0, [stored([1, 2, 3])]),
+            (0.3, [removed([1])]),
+            (3.0, [removed([2])]),
+            (30.0, [removed([3])]),
+        ]
+    ):
         sc.feed(mk("a", seq, WALL + t, events))
     return sc.result()
 

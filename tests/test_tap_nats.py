@@ -20,29 +20,51 @@ def wait_ready(proc) -> None:
     assert line.startswith("kvctl: reading"), line
 
 
-STORED = {"type": "BlockStored", "block_hashes": [2**64 - 2, 5], "parent_block_hash": None,
-          "token_ids": list(range(8)), "block_size": 4}
+STORED = {
+    "type": "BlockStored",
+    "block_hashes": [2**64 - 2, 5],
+    "parent_block_hash": None,
+    "token_ids": list(range(8)),
+    "block_size": 4,
+}
 
 
 def test_live_subjects_of_every_era(nats_server):
     proc = start_kvctl("tap", nats_server.url, "--json", "-c", "4")
     wait_ready(proc)
-    envelope = encode_envelope([router_event(STORED, 3, 0), router_event(
-        {"type": "BlockRemoved", "block_hashes": [5]}, 3, 1)], 99, 0, 1_700_000_000_000)
-    publish(nats_server.url, [
-        ("namespace.dyn.component.backend.kv_events",  # <= 0.5, JSON
-         encode_json(router_event(STORED, 1, 0, era="0.5"))),
-        ("namespace-dyn-component-backend-kv-events.kv-events",  # 0.7-0.9 JetStream subject
-         encode_json(router_event({"type": "AllBlocksCleared"}, 2, 1, era="0.9"))),
-        ("unrelated.queue", b"{}"),  # not a KV stream: ignored
-        ("namespace.dyn.component.backend.endpoint.generate.kv-events", envelope),  # >= 1.2
-    ])
+    envelope = encode_envelope(
+        [
+            router_event(STORED, 3, 0),
+            router_event({"type": "BlockRemoved", "block_hashes": [5]}, 3, 1),
+        ],
+        99,
+        0,
+        1_700_000_000_000,
+    )
+    publish(
+        nats_server.url,
+        [
+            (
+                "namespace.dyn.component.backend.kv_events",  # <= 0.5, JSON
+                encode_json(router_event(STORED, 1, 0, era="0.5")),
+            ),
+            (
+                "namespace-dyn-component-backend-kv-events.kv-events",  # 0.7-0.9 JetStream subject
+                encode_json(router_event({"type": "AllBlocksCleared"}, 2, 1, era="0.9")),
+            ),
+            ("unrelated.queue", b"{}"),  # not a KV stream: ignored
+            ("namespace.dyn.component.backend.endpoint.generate.kv-events", envelope),  # >= 1.2
+        ],
+    )
     rc, out, err = rest_of(proc)
     assert rc == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["type"], r["worker_id"], r["format"]) for r in rows] == [
-        ("BlockStored", 1, "dynamo-json"), ("AllBlocksCleared", 2, "dynamo-json"),
-        ("BlockStored", 3, "dynamo-msgpack"), ("BlockRemoved", 3, "dynamo-msgpack")]
+        ("BlockStored", 1, "dynamo-json"),
+        ("AllBlocksCleared", 2, "dynamo-json"),
+        ("BlockStored", 3, "dynamo-msgpack"),
+        ("BlockRemoved", 3, "dynamo-msgpack"),
+    ]
     assert rows[0]["tokens_hashes"] == [tokens_hash(range(4)), tokens_hash(range(4, 8))]
     assert rows[2]["seq"] == 0 and rows[2]["topic"].endswith("endpoint.generate.kv-events")
     assert "malformed 0" in err
@@ -52,8 +74,13 @@ def test_subject_in_url_and_pretty_output(nats_server):
     subject = "custom.kv"
     proc = start_kvctl("tap", f"{nats_server.url}/{subject}", "-c", "1")
     wait_ready(proc)
-    publish(nats_server.url, [("namespace.x.component.y.kv_events", b"{}"),
-                              (subject, encode_json(router_event(STORED, 4, 0)))])
+    publish(
+        nats_server.url,
+        [
+            ("namespace.x.component.y.kv_events", b"{}"),
+            (subject, encode_json(router_event(STORED, 4, 0))),
+        ],
+    )
     rc, out, err = rest_of(proc)
     assert rc == 0, err
     assert "BlockStored" in out and "2 blocks" in out and "worker=4" in out
@@ -67,9 +94,17 @@ def test_from_start_reads_jetstream_history(tmp_path, stop):
     stream = "namespace-hist-component-backend-kv-events"
     subject = f"{stream}.kv-events"
     try:
-        publish(server.url, [(subject, encode_json(router_event(
-            {"type": "BlockRemoved", "block_hashes": [i]}, 9, i))) for i in range(3)],
-            stream=stream)
+        publish(
+            server.url,
+            [
+                (
+                    subject,
+                    encode_json(router_event({"type": "BlockRemoved", "block_hashes": [i]}, 9, i)),
+                )
+                for i in range(3)
+            ],
+            stream=stream,
+        )
         result = run_kvctl("tap", server.url, "--from-start", "--json", *stop)
     finally:
         server.stop()
@@ -79,8 +114,13 @@ def test_from_start_reads_jetstream_history(tmp_path, stop):
     assert [r["event_id"] for r in rows] == [0, 1, 2]
     # the JetStream consumers are closed before the client: no asyncio or nats-py noise
     err = result.stderr.decode()
-    for noise in ("Task was destroyed", "Unclosed", "Traceback", "Exception ignored",
-                  "never connected"):
+    for noise in (
+        "Task was destroyed",
+        "Unclosed",
+        "Traceback",
+        "Exception ignored",
+        "never connected",
+    ):
         assert noise not in err, err
     assert len(err.strip().splitlines()) == 2  # "reading" and the summary
 
@@ -88,9 +128,13 @@ def test_from_start_reads_jetstream_history(tmp_path, stop):
 def test_malformed_nats_message_is_shown(nats_server):
     proc = start_kvctl("tap", nats_server.url, "--idle-timeout", "1", "--json")
     wait_ready(proc)
-    publish(nats_server.url, [("namespace.a.component.b.kv-events", b"\x85garbage"),
-                              ("namespace.a.component.b.kv-events",
-                               msgpack.packb({"payload": b"\xc1"}))])
+    publish(
+        nats_server.url,
+        [
+            ("namespace.a.component.b.kv-events", b"\x85garbage"),
+            ("namespace.a.component.b.kv-events", msgpack.packb({"payload": b"\xc1"})),
+        ],
+    )
     rc, out, err = rest_of(proc)
     assert rc == 0 and out == ""
     assert err.count("malformed message from") == 2 and "malformed 2" in err
@@ -116,8 +160,10 @@ def test_nats_credentials_from_options_and_environment(tmp_path):
         assert denied.returncode == 1 and b"Traceback" not in denied.stderr
         assert b"cannot connect to NATS: authorization violation" in denied.stderr
         assert time.monotonic() - started < 5
-        for args, env in ((["--nats-user", "kv", "--nats-password", "s3cret"], None),
-                          ([], {"KVCTL_NATS_USER": "kv", "KVCTL_NATS_PASSWORD": "s3cret"})):
+        for args, env in (
+            (["--nats-user", "kv", "--nats-password", "s3cret"], None),
+            ([], {"KVCTL_NATS_USER": "kv", "KVCTL_NATS_PASSWORD": "s3cret"}),
+        ):
             proc = start_kvctl("tap", server.url, "--json", "-c", "1", *args, env=env)
             wait_ready(proc)
             asyncio.run(asyncio.wait_for(_publish_auth(server.url), 10))
@@ -130,16 +176,25 @@ def test_nats_credentials_from_options_and_environment(tmp_path):
 
 async def _publish_auth(url: str) -> None:
     nc = await nats.connect(url, user="kv", password="s3cret")
-    await nc.publish("namespace.a.component.b.kv_events",
-                     encode_json(router_event({"type": "AllBlocksCleared"}, 1, 0)))
+    await nc.publish(
+        "namespace.a.component.b.kv_events",
+        encode_json(router_event({"type": "AllBlocksCleared"}, 1, 0)),
+    )
     await nc.flush()
     await nc.close()
 
 
 def test_connect_timeout_0_still_means_wait(tmp_path):
     """Compatibility: 0 was "wait forever" before waiting became the default."""
-    result = run_kvctl("tap", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "0",
-                       "--duration", "1.5", timeout=20)
+    result = run_kvctl(
+        "tap",
+        f"nats://127.0.0.1:{free_port()}",
+        "--connect-timeout",
+        "0",
+        "--duration",
+        "1.5",
+        timeout=20,
+    )
     assert result.returncode == 0 and b"stopped by --duration" in result.stderr
 
 
@@ -171,6 +226,7 @@ def test_server_outage_mid_run_is_survived_and_reported(tmp_path, outage_s):
     """kill -9 of the server, down for a while, restarted on the same port and store: tap keeps
     its subscriptions, says each state change in one line and counts what it missed."""
     from conftest import NatsServer
+
     server = NatsServer(tmp_path)
     proc = start_kvctl("tap", server.url, "--json", "-c", "2")
     try:
@@ -248,12 +304,18 @@ def test_from_start_history_resumes_after_a_restart(tmp_path):
     again from the message after the last one it got, so nothing repeats and nothing is
     skipped."""
     from conftest import NatsServer
+
     stream = "namespace-r-component-backend-kv-events"
     subject = f"{stream}.kv-events"
 
     def history(first: int) -> list:
-        return [(subject, encode_json(router_event(
-            {"type": "BlockRemoved", "block_hashes": [i]}, 9, i))) for i in range(first, first + 3)]
+        return [
+            (
+                subject,
+                encode_json(router_event({"type": "BlockRemoved", "block_hashes": [i]}, 9, i)),
+            )
+            for i in range(first, first + 3)
+        ]
 
     server = NatsServer(tmp_path)
     publish(server.url, history(0), stream=stream)
@@ -288,6 +350,8 @@ def test_connect_timeout_also_bounds_an_outage(tmp_path):
         server.stop()
     assert rc == 1 and time.monotonic() - started < 5, err
     last = err.splitlines()[-1]  # the reason is the latest attempt's: connection refused
-    assert last == (f"kvctl: {server.url}: disconnected for 1 s (connection refused); giving up "
-                    "(--connect-timeout)")
+    assert last == (
+        f"kvctl: {server.url}: disconnected for 1 s (connection refused); giving up "
+        "(--connect-timeout)"
+    )
     assert "Traceback" not in err

@@ -36,15 +36,31 @@ def test_json_lines_carry_every_documented_field(engine):
     rows = json_lines(out)
     assert [r["type"] for r in rows] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
     first = rows[0]
-    for key in ("type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                "lora_id", "lora_name", "medium", "ts", "seq", "source", "worker_id",
-                "dp_rank", "format"):
+    for key in (
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "lora_name",
+        "medium",
+        "ts",
+        "seq",
+        "source",
+        "worker_id",
+        "dp_rank",
+        "format",
+    ):
         assert key in first
     assert first["block_hashes"] == [1, 2**63 + 5]
     assert first["extra_keys"] == [["img", 0]]  # unknown-to-us fields pass through by name
     assert rows[1]["block_hashes"] == [2**64 - 1]  # signed -1 shown as unsigned 64-bit
-    assert (rows[2]["seq"], rows[2]["source"], rows[2]["format"]) == (1, engine.endpoint,
-                                                                      "engine-map")
+    assert (rows[2]["seq"], rows[2]["source"], rows[2]["format"]) == (
+        1,
+        engine.endpoint,
+        "engine-map",
+    )
     assert "3 events" in err and "stopped by --count" in err
 
 
@@ -94,8 +110,18 @@ def test_several_labelled_sources_each_tracked(endpoint):
 def test_filters_by_type_and_worker(endpoint):
     a, b = Engine(endpoint), Engine(f"tcp://127.0.0.1:{free_port()}")
     try:
-        proc = start_kvctl("tap", f"0={a.endpoint}", f"1={b.endpoint}", "--json",
-                           "--type", "BlockRemoved", "--worker", "1", "-c", "2")
+        proc = start_kvctl(
+            "tap",
+            f"0={a.endpoint}",
+            f"1={b.endpoint}",
+            "--json",
+            "--type",
+            "BlockRemoved",
+            "--worker",
+            "1",
+            "-c",
+            "2",
+        )
         a.wait_for()
         b.wait_for()
         for i in range(3):
@@ -107,7 +133,9 @@ def test_filters_by_type_and_worker(endpoint):
         b.close()
     rows = json_lines(out)
     assert [(r["type"], r["worker_id"], r["block_hashes"]) for r in rows] == [
-        ("BlockRemoved", 1, [100]), ("BlockRemoved", 1, [101])]
+        ("BlockRemoved", 1, [100]),
+        ("BlockRemoved", 1, [101]),
+    ]
 
 
 @pytest.mark.parametrize("mode", [[], ["--json"]])
@@ -161,8 +189,9 @@ def test_sequence_anomalies_are_counted_and_shown(engine):
 def test_gap_recovered_from_replay_socket(engine, with_topic):
     replay = ReplayServer(f"tcp://127.0.0.1:{free_port()}", with_topic=with_topic)
     try:
-        proc = start_kvctl("tap", engine.endpoint, "--replay-endpoint", replay.endpoint,
-                           "--json", "-c", "5")
+        proc = start_kvctl(
+            "tap", engine.endpoint, "--replay-endpoint", replay.endpoint, "--json", "-c", "5"
+        )
         engine.wait_for()
         for seq in range(5):
             frames = engine.batch([removed([seq])], seq=seq)
@@ -224,12 +253,22 @@ def test_dead_endpoint_is_a_clear_error():
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("args", [
-    ["tap"], ["tap", "foo://bar"], ["tap", "tcp://127.0.0.1:1", "-c", "0"],
-    ["tap", "tcp://127.0.0.1:1", "--type", "Nope"], ["tap", "tcp://nohost"],
-    ["tap", "=tcp://127.0.0.1:1"], ["tap", "0:x=tcp://127.0.0.1:1"],
-    *(["tap", "tcp://127.0.0.1:1", "--max-queue", size] for size in ("abc", "10k", "inf", "-1G")),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["tap"],
+        ["tap", "foo://bar"],
+        ["tap", "tcp://127.0.0.1:1", "-c", "0"],
+        ["tap", "tcp://127.0.0.1:1", "--type", "Nope"],
+        ["tap", "tcp://nohost"],
+        ["tap", "=tcp://127.0.0.1:1"],
+        ["tap", "0:x=tcp://127.0.0.1:1"],
+        *(
+            ["tap", "tcp://127.0.0.1:1", "--max-queue", size]
+            for size in ("abc", "10k", "inf", "-1G")
+        ),
+    ],
+)
 def test_usage_errors_exit_2(args):
     result = run_kvctl(*args)
     assert result.returncode == 2, result.stderr
@@ -290,8 +329,11 @@ def test_a_closed_pipe_ends_quietly_with_exit_0(tmp_path, mode):
     path = tmp_path / "r.parquet"
     sim = run_kvctl("simulate", "-o", str(path), "--workers", "1", "--requests", "200", "-q")
     assert sim.returncode == 0, sim.stderr
-    proc = subprocess.Popen([sys.executable, "-m", "kvctl", "cat", str(path), *mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvctl", "cat", str(path), *mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert proc.stdout.readline()
     proc.stdout.close()  # what `head -1` does after its line
     rc = proc.wait(30)
@@ -328,8 +370,15 @@ def test_a_silent_replay_endpoint_is_warned_about_once_and_never_stalls_the_loop
     after every batch: every batch is processed, one warning, in bounded time."""
     silent = ReplayServer(f"tcp://127.0.0.1:{free_port()}")  # never serves: never answers
     try:
-        proc = start_kvctl("tap", engine.endpoint, "--replay-endpoint", silent.endpoint,
-                           "--json", "--idle-timeout", "1")
+        proc = start_kvctl(
+            "tap",
+            engine.endpoint,
+            "--replay-endpoint",
+            silent.endpoint,
+            "--json",
+            "--idle-timeout",
+            "1",
+        )
         engine.wait_for()
         started = time.monotonic()
         for i in range(300):

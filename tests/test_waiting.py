@@ -55,11 +55,16 @@ def test_tap_waits_for_a_publisher_that_binds_later():
     assert "never connected" not in err and "gaps 0" in err
 
 
-@pytest.mark.parametrize("make_source,error", [
-    (dead_zmq, "connection refused after 1 s: is the engine publishing there?"),
-    (dead_nats, "cannot connect to NATS after 1 s (connection refused): is the server running "
-                "there?"),
-])
+@pytest.mark.parametrize(
+    "make_source,error",
+    [
+        (dead_zmq, "connection refused after 1 s: is the engine publishing there?"),
+        (
+            dead_nats,
+            "cannot connect to NATS after 1 s (connection refused): is the server running there?",
+        ),
+    ],
+)
 def test_connect_timeout_gives_up_with_one_line(make_source, error):
     source = make_source()
     started = time.monotonic()
@@ -137,8 +142,15 @@ def test_nats_server_that_starts_later(tmp_path):
 
         from kvctl.formats.dynamo import encode_json, router_event
 
-        publish(server.url, [("namespace.a.component.b.kv_events",
-                              encode_json(router_event({"type": "AllBlocksCleared"}, 1, 0)))])
+        publish(
+            server.url,
+            [
+                (
+                    "namespace.a.component.b.kv_events",
+                    encode_json(router_event({"type": "AllBlocksCleared"}, 1, 0)),
+                )
+            ],
+        )
         rc, out, err = rest_of(proc)
     finally:
         server.stop()
@@ -200,6 +212,7 @@ def test_in_process_connect_timeout_is_a_transport_error():
     result = invoke("tap", source, "--connect-timeout", "0.5")
     assert isinstance(result.exception, TransportError)
     assert result.exception.exit_code == ExitCode.ERROR
-    assert str(result.exception) == (f"{source}: connection refused after 0.5 s: is the engine "
-                                     "publishing there?")
+    assert str(result.exception) == (
+        f"{source}: connection refused after 0.5 s: is the engine publishing there?"
+    )
     assert "never connected" not in result.stderr  # the error says it; nothing else does

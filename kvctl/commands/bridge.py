@@ -55,10 +55,18 @@ def command(**params: Any) -> None:
             while not target.wait_subscribers(params["wait_subscribers"], 0.2):
                 pass
         source = open_source(params["sources"], **connection_kwargs(params))
-        diagnostics.say(f"kvctl: bridging {shown_sources(params['sources'])} -> "
-                        f"{redact_url(params['to'])}", "dim")
-        run(source, sender, make_limits(params), make_filters(params),
-            _Forwarding(diagnostics, sender), summary=summary)
+        diagnostics.say(
+            f"kvctl: bridging {shown_sources(params['sources'])} -> {redact_url(params['to'])}",
+            "dim",
+        )
+        run(
+            source,
+            sender,
+            make_limits(params),
+            make_filters(params),
+            _Forwarding(diagnostics, sender),
+            summary=summary,
+        )
         linger(target, params["linger"])
     except KeyboardInterrupt:
         interrupted = True
@@ -67,8 +75,9 @@ def command(**params: Any) -> None:
             source.close()
         target.close()
     schedule = Schedule(None)
-    report = make_report(sender, time.perf_counter() - started, schedule,
-                         time.process_time() - cpu_start)
+    report = make_report(
+        sender, time.perf_counter() - started, schedule, time.process_time() - cpu_start
+    )
     report["received"] = summary.to_json()
     print_report(report, params, diagnostics)
     diagnostics.say("kvctl: received " + summary.line(), "dim")

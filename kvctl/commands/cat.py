@@ -10,8 +10,9 @@ from ..session import stream
 
 
 @click.command("cat", cls=KvctlCommand)
-@click.argument("sources", nargs=-1, required=True, metavar="RECORDING...",
-                type=click.Path(exists=True))
+@click.argument(
+    "sources", nargs=-1, required=True, metavar="RECORDING...", type=click.Path(exists=True)
+)
 @filter_options
 @limit_options
 @output_options

@@ -31,7 +31,8 @@ def finding_line(f: Finding) -> str:
     if f.hash is not None:
         where.append(f"hash {f.to_json()['hash']}")
     return f"{f.rule} {f.severity} {f.name}: {f.message}" + (
-        f" ({', '.join(where)})" if where else "")
+        f" ({', '.join(where)})" if where else ""
+    )
 
 
 def failed(report: Report, fail_on: str) -> bool:
@@ -46,10 +47,12 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
     from rich.markup import escape
     from rich.table import Table
 
-    counts = (f"{plural(report.count(ERROR), 'error')}, "
-              f"{plural(report.count(WARNING), 'warning')}, {plural(report.count(INFO), 'info')}"
-              f" in {plural(report.batches, 'batch')} / {plural(report.events, 'event')} from "
-              f"{plural(len(report.workers), 'worker')}")
+    counts = (
+        f"{plural(report.count(ERROR), 'error')}, "
+        f"{plural(report.count(WARNING), 'warning')}, {plural(report.count(INFO), 'info')}"
+        f" in {plural(report.batches, 'batch')} / {plural(report.events, 'event')} from "
+        f"{plural(len(report.workers), 'worker')}"
+    )
     if report.results:
         # A compact table first (fits 80 columns), then the examples of each rule as plain
         # lines: examples carry long endpoints and hashes that a table cell would mangle.
@@ -61,8 +64,13 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
         table.add_column("summary", overflow="fold")
         for res in report.results:
             style = _SEVERITY_STYLE.get(res.rule.severity, "")
-            table.add_row(res.rule.id, res.rule.name, f"[{style}]{res.rule.severity}[/]",
-                          str(res.count), escape(res.rule.summary))
+            table.add_row(
+                res.rule.id,
+                res.rule.name,
+                f"[{style}]{res.rule.severity}[/]",
+                str(res.count),
+                escape(res.rule.summary),
+            )
         console.print(table)
         console.print("First examples:")
         for res in report.results:  # the checker kept --max-examples of each rule
@@ -79,19 +87,46 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
 @source_arguments
 @filter_options
 @limit_options
-@click.option("--block-size", type=click.IntRange(min=1), metavar="N",
-              help="Block size (tokens per block) the router expects; other sizes are KV202.")
-@click.option("--num-blocks", type=click.IntRange(min=1), metavar="N",
-              help="KV-cache capacity per worker in blocks; holding more is KV104.")
-@click.option("--expect-workers", type=click.IntRange(min=1), metavar="N",
-              help="Workers that must publish (KV306 when fewer did, checked once "
-                   "--idle-timeout has passed, else at the end).")
-@click.option("--fail-on", type=click.Choice(["error", "warning", "never"]), default="error",
-              show_default=True, help="Lowest severity that makes the exit code 3.")
-@click.option("--max-examples", type=click.IntRange(min=1), default=5, show_default=True,
-              metavar="N", help="Findings printed live and kept as examples, per rule.")
-@click.option("--json", "as_json", is_flag=True,
-              help="The report as one JSON object on stdout (live findings stay on stderr).")
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Block size (tokens per block) the router expects; other sizes are KV202.",
+)
+@click.option(
+    "--num-blocks",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="KV-cache capacity per worker in blocks; holding more is KV104.",
+)
+@click.option(
+    "--expect-workers",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Workers that must publish (KV306 when fewer did, checked once "
+    "--idle-timeout has passed, else at the end).",
+)
+@click.option(
+    "--fail-on",
+    type=click.Choice(["error", "warning", "never"]),
+    default="error",
+    show_default=True,
+    help="Lowest severity that makes the exit code 3.",
+)
+@click.option(
+    "--max-examples",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    metavar="N",
+    help="Findings printed live and kept as examples, per rule.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="The report as one JSON object on stdout (live findings stay on stderr).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No live findings or summary on stderr.")
 def command(**params: Any) -> None:
     """Check KV-event streams for what breaks KV-aware routing.
@@ -119,8 +154,12 @@ def command(**params: Any) -> None:
     quiet = params["quiet"]
     diagnostics = StderrDiagnostics(quiet=quiet)  # literal text: names and types are data
     max_examples = params["max_examples"]
-    checker = Checker(block_size=params["block_size"], num_blocks=params["num_blocks"],
-                      expect_workers=params["expect_workers"], max_examples=max_examples)
+    checker = Checker(
+        block_size=params["block_size"],
+        num_blocks=params["num_blocks"],
+        expect_workers=params["expect_workers"],
+        max_examples=max_examples,
+    )
     announced: set[str] = set()
     addresses: list[str] = []
 
@@ -132,8 +171,9 @@ def command(**params: Any) -> None:
             res = checker.results.get(f.rule)
             if res is not None and res.count >= max_examples and f.rule not in announced:
                 announced.add(f.rule)
-                diagnostics.say(f"kvctl: {f.rule}: further findings are counted, not printed",
-                                "dim")
+                diagnostics.say(
+                    f"kvctl: {f.rule}: further findings are counted, not printed", "dim"
+                )
 
     def consume(batch: Batch) -> None:
         found = checker.feed(batch)
@@ -172,8 +212,17 @@ def command(**params: Any) -> None:
     if params["as_json"]:
         from ..output import dumps
 
-        click.echo(dumps({**report.to_json(), "failed": fail, "fail_on": params["fail_on"],
-                          "exit_code": int(code), "stream": summary.to_json()}))
+        click.echo(
+            dumps(
+                {
+                    **report.to_json(),
+                    "failed": fail,
+                    "fail_on": params["fail_on"],
+                    "exit_code": int(code),
+                    "stream": summary.to_json(),
+                }
+            )
+        )
     else:
         print_report(report, summary, fail, console(soft_wrap=True))
     if interrupted:
@@ -184,5 +233,8 @@ def command(**params: Any) -> None:
 
 
 # The rule table in --help too: one source of truth (kvctl.checks.RULES).
-command.help = inspect.cleandoc(command.help or "") + "\n\n\b\nRules:\n" + "\n".join(
-    f"  {r.id}  {r.severity:<7}  {r.name}: {r.summary}" for r in RULES.values())
+command.help = (
+    inspect.cleandoc(command.help or "")
+    + "\n\n\b\nRules:\n"
+    + "\n".join(f"  {r.id}  {r.severity:<7}  {r.name}: {r.summary}" for r in RULES.values())
+)

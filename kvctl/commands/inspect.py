@@ -84,6 +84,10 @@ def _print(info: dict[str, Any]) -> None:
         for col in ("publisher", "first seq", "last seq", "batches"):
             table.add_column(col, justify="left" if col == "publisher" else "right")
         for name, p in publishers.items():
-            table.add_row(escape(str(name)), str(p.get("min_seq")), str(p.get("max_seq")),
-                          str(p.get("batches")))
+            table.add_row(
+                escape(str(name)),
+                str(p.get("min_seq")),
+                str(p.get("max_seq")),
+                str(p.get("batches")),
+            )
         console.print(table)

@@ -30,25 +30,46 @@ def _parse(value: str | None, units: dict[str, float], what: str) -> float | Non
 
 @click.command("record", cls=KvctlCommand)
 @source_arguments
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=True),
-              help="Recording to write: a .parquet file, or a directory of segments when "
-                   "rotating.")
-@click.option("--rotate-size", metavar="SIZE",
-              help="Start a new segment after about SIZE bytes of Parquet (e.g. 512M, 2G).")
-@click.option("--rotate-every", metavar="INTERVAL",
-              help="Start a new segment on every clock boundary of INTERVAL (e.g. 60, 5m, 1h).")
-@click.option("--overwrite", is_flag=True,
-              help="Replace an existing recording file at -o (atomically, when the new one "
-                   "is complete). Without it an existing file is refused.")
-@click.option("--append", is_flag=True,
-              help="With rotation: add segments to the recording already in the -o directory "
-                   "(numbered after its last). Without it the directory must be new or empty.")
-@click.option("--fsync", is_flag=True, help="fsync the journal at every flush (slower; survives "
-                                            "power loss, not only a killed process).")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=True),
+    help="Recording to write: a .parquet file, or a directory of segments when rotating.",
+)
+@click.option(
+    "--rotate-size",
+    metavar="SIZE",
+    help="Start a new segment after about SIZE bytes of Parquet (e.g. 512M, 2G).",
+)
+@click.option(
+    "--rotate-every",
+    metavar="INTERVAL",
+    help="Start a new segment on every clock boundary of INTERVAL (e.g. 60, 5m, 1h).",
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace an existing recording file at -o (atomically, when the new one "
+    "is complete). Without it an existing file is refused.",
+)
+@click.option(
+    "--append",
+    is_flag=True,
+    help="With rotation: add segments to the recording already in the -o directory "
+    "(numbered after its last). Without it the directory must be new or empty.",
+)
+@click.option(
+    "--fsync",
+    is_flag=True,
+    help="fsync the journal at every flush (slower; survives "
+    "power loss, not only a killed process).",
+)
 @filter_options
 @limit_options
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the final summary as one JSON object on stdout.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the final summary as one JSON object on stdout."
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress line, diagnostics or summary.")
 def command(**params: Any) -> None:
     """Record KV-event streams to Parquet, one row per event, raw bytes kept.
@@ -80,13 +101,16 @@ def command(**params: Any) -> None:
     rotate_every = _parse(params["rotate_every"], _TIME_UNITS, "time interval (e.g. 5m)")
     segmented = rotate_size is not None or rotate_every is not None
     if params["append"] and not segmented:
-        raise UsageError("--append adds segments to a rotation directory: give --rotate-size "
-                         "or --rotate-every (a Parquet file cannot be appended to)")
+        raise UsageError(
+            "--append adds segments to a rotation directory: give --rotate-size "
+            "or --rotate-every (a Parquet file cannot be appended to)"
+        )
     if params["overwrite"] and segmented:
-        raise UsageError("--overwrite replaces one recording file; with rotation give a new "
-                         "directory, or --append")
-    conflict = output_conflict(params["output"], segmented, params["overwrite"],
-                               params["append"])
+        raise UsageError(
+            "--overwrite replaces one recording file; with rotation give a new "
+            "directory, or --append"
+        )
+    conflict = output_conflict(params["output"], segmented, params["overwrite"], params["append"])
     if conflict is not None:  # before any source is opened: nothing of the user's is touched
         raise UsageError(conflict)
     _check_writable(params["output"])
@@ -95,12 +119,19 @@ def command(**params: Any) -> None:
     filters = make_filters(params)
     try:
         writer = RecordingWriter(
-            params["output"], rotate_size=int(rotate_size) if rotate_size else None,
-            rotate_every=rotate_every, fsync=params["fsync"], filters=filters,
-            labels=_labels(params["sources"]), overwrite=params["overwrite"],
+            params["output"],
+            rotate_size=int(rotate_size) if rotate_size else None,
+            rotate_every=rotate_every,
+            fsync=params["fsync"],
+            filters=filters,
+            labels=_labels(params["sources"]),
+            overwrite=params["overwrite"],
             append=params["append"],
-            metadata={"sources": [redact_url(s) for s in params["sources"]],
-                      "command": redact_argv(sys.argv[1:])})
+            metadata={
+                "sources": [redact_url(s) for s in params["sources"]],
+                "command": redact_argv(sys.argv[1:]),
+            },
+        )
     except OutputExists as exc:  # appeared since the check above
         source.close()
         raise UsageError(str(exc)) from None
@@ -112,16 +143,24 @@ def command(**params: Any) -> None:
     interrupted = False
     write_error: OSError | None = None
     try:  # from here on, whatever happens, the writer is closed and the recording readable
-        diagnostics.say(f"kvctl: recording {shown_sources(params['sources'])} -> "
-                        f"{params['output']}", "dim")
+        diagnostics.say(
+            f"kvctl: recording {shown_sources(params['sources'])} -> {params['output']}", "dim"
+        )
         # Live batches are journalled raw (frames + labels) and decoded again by the
         # converter; batches read back from recordings are journalled exactly.
         sink = RecordingSink(writer, diagnostics, raw=isinstance(source, LiveSource))
         progress = None if params["quiet"] else _progress(writer, summary)
         if filters.types or filters.workers:
             sink.filtering()
-        run(source, sink, make_limits(params), filters, sink, summary=summary,
-            on_batch=sink.on_batch if filters.types or filters.workers else sink.on_empty)
+        run(
+            source,
+            sink,
+            make_limits(params),
+            filters,
+            sink,
+            summary=summary,
+            on_batch=sink.on_batch if filters.types or filters.workers else sink.on_empty,
+        )
         sink.close()
     except KeyboardInterrupt:
         summary.stopped_by = "interrupt"
@@ -140,18 +179,30 @@ def command(**params: Any) -> None:
     if write_error is not None:  # what was flushed is recoverable; say how much that is
         elsewhere = " -o NEW.parquet" if isinstance(write_error, OutputExists) else ""
         journalled = writer.counts["batches"]
-        kept = (f"; {journalled:,} of {plural(summary.batches, 'received batch', thousands=True)}"
-                f" reached the journal" if summary.batches > journalled else "")
-        hint = (f"; `kvctl recover {params['output']}{elsewhere}` restores what was flushed"
-                if leftover_journals(params["output"]) else "")
-        why = (str(write_error) if isinstance(write_error, OutputExists)
-               else write_error.strerror or write_error)
+        kept = (
+            f"; {journalled:,} of {plural(summary.batches, 'received batch', thousands=True)}"
+            f" reached the journal"
+            if summary.batches > journalled
+            else ""
+        )
+        hint = (
+            f"; `kvctl recover {params['output']}{elsewhere}` restores what was flushed"
+            if leftover_journals(params["output"])
+            else ""
+        )
+        why = (
+            str(write_error)
+            if isinstance(write_error, OutputExists)
+            else write_error.strerror or write_error
+        )
         raise TransportError(f"{params['output']}: cannot write: {why}{kept}{hint}")
     report = {"summary": summary.to_json(), "recording": result}
     if params["as_json"]:
         click.echo(dumps(report))
-    line = (f"kvctl: recorded {summary.line()} -> {params['output']} "
-            f"({plural(result.get('bytes', 0), 'byte', thousands=True)})")
+    line = (
+        f"kvctl: recorded {summary.line()} -> {params['output']} "
+        f"({plural(result.get('bytes', 0), 'byte', thousands=True)})"
+    )
     if interrupted:
         raise Interrupted(line.removeprefix("kvctl: "), params["quiet"])
     diagnostics.say(line, "dim")
@@ -165,8 +216,7 @@ def _check_writable(output: str) -> None:
 
     parent = Path(output).resolve().parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise TransportError(f"{output}: cannot write there ({parent} is not a writable "
-                             "directory)")
+        raise TransportError(f"{output}: cannot write there ({parent} is not a writable directory)")
 
 
 def _labels(sources: Any) -> dict[str, tuple[Any, Any]] | None:
@@ -272,10 +322,12 @@ class _Status:
     def __rich__(self) -> str:
         s = self.writer.stats()
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        return (f"[bold]recording[/] {s['file']} · {plural(s['events'], 'event', thousands=True)}"
-                f" ({s['events'] / elapsed:,.0f}/s) · "
-                f"{plural(s['batches'], 'batch', thousands=True)} · gaps "
-                f"{self.summary.gaps} · malformed {s['malformed']} · {s['bytes'] / 1e6:,.1f} MB")
+        return (
+            f"[bold]recording[/] {s['file']} · {plural(s['events'], 'event', thousands=True)}"
+            f" ({s['events'] / elapsed:,.0f}/s) · "
+            f"{plural(s['batches'], 'batch', thousands=True)} · gaps "
+            f"{self.summary.gaps} · malformed {s['malformed']} · {s['bytes'] / 1e6:,.1f} MB"
+        )
 
 
 def _progress(writer: Any, summary: Any) -> Any:
@@ -285,7 +337,6 @@ def _progress(writer: Any, summary: Any) -> Any:
     console = Console(stderr=True)
     if not console.is_terminal:
         return None
-    live = Live(_Status(writer, summary), console=console, refresh_per_second=2,
-                transient=True)
+    live = Live(_Status(writer, summary), console=console, refresh_per_second=2, transient=True)
     live.start()
     return live

@@ -10,11 +10,19 @@ from ..text import plural
 
 @click.command("recover", cls=KvctlCommand)
 @click.argument("path", type=click.Path(exists=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False),
-              help="Write the recovered recording here (a new file) instead of the journal's "
-                   "own recording path, e.g. when that path already holds another recording.")
-@click.option("--json", "as_json", is_flag=True, help="Print the recovered recording's summary "
-                                                      "as one JSON object.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    help="Write the recovered recording here (a new file) instead of the journal's "
+    "own recording path, e.g. when that path already holds another recording.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the recovered recording's summary as one JSON object.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No summary on stderr (errors excepted).")
 def command(path: str, output: str | None, as_json: bool, quiet: bool) -> None:
     """Convert the journal of a recorder that was killed (kill -9, power loss) to Parquet.
@@ -46,19 +54,21 @@ def command(path: str, output: str | None, as_json: bool, quiet: bool) -> None:
     try:
         recovered = recover(path, output)
         info = recording_info(recovered)
-    except (NotAJournal, NotARecording, OutputExists, RecorderRunning,
-            FileNotFoundError) as exc:
+    except (NotAJournal, NotARecording, OutputExists, RecorderRunning, FileNotFoundError) as exc:
         raise TransportError(str(exc)) from None
     except OSError as exc:  # e.g. the disk is still full: the journal stays where it was
         why = exc.strerror or exc
-        raise TransportError(f"{path}: cannot recover: {why} (the journal is kept; "
-                             "-o NEW.parquet writes elsewhere)") from None
+        raise TransportError(
+            f"{path}: cannot recover: {why} (the journal is kept; -o NEW.parquet writes elsewhere)"
+        ) from None
     except ValueError as exc:
         raise TransportError(f"{path}: cannot recover: {exc}") from None
     if as_json:
         click.echo(dumps({"path": str(recovered), **info}))
     elif not quiet:
-        click.echo(f"kvctl: recovered {recovered}: {plural(info.get('batches', 0), 'batch')}, "
-                   f"{plural(info.get('events', 0), 'event')}, {info.get('malformed', 0)} "
-                   "malformed",
-                   err=True)
+        click.echo(
+            f"kvctl: recovered {recovered}: {plural(info.get('batches', 0), 'batch')}, "
+            f"{plural(info.get('events', 0), 'event')}, {info.get('malformed', 0)} "
+            "malformed",
+            err=True,
+        )

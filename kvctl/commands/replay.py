@@ -25,27 +25,48 @@ def parse_window(value: str | None) -> tuple[str, float] | None:
 
 
 @click.command("replay", cls=KvctlCommand)
-@click.argument("recordings", nargs=-1, required=True, metavar="RECORDING...",
-                type=click.Path(exists=True))
+@click.argument(
+    "recordings", nargs=-1, required=True, metavar="RECORDING...", type=click.Path(exists=True)
+)
 @with_target_options
 @nats_auth_options
-@click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=1.0,
-              show_default=True, help="Scale the recorded timing (2 = twice as fast).")
-@click.option("--rate", type=click.FloatRange(min=0, min_open=True), metavar="BATCHES_PER_S",
-              help="Send at a fixed rate of batches per second instead of recorded timing.")
+@click.option(
+    "--speed",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Scale the recorded timing (2 = twice as fast).",
+)
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="BATCHES_PER_S",
+    help="Send at a fixed rate of batches per second instead of recorded timing.",
+)
 @click.option("--topspeed", is_flag=True, help="Send as fast as possible.")
-@click.option("--max-gap", type=click.FloatRange(min=0), metavar="SECONDS",
-              help="Cap idle gaps of the recording at this many (schedule) seconds.")
-@click.option("--loop", type=click.IntRange(min=0), default=1, show_default=True,
-              help="Play the recording N times (0: until interrupted).")
-@click.option("--unique-hashes", is_flag=True,
-              help="Re-salt block hashes on every loop after the first, so a router sees new "
-                   "blocks (implies re-encoding).")
+@click.option(
+    "--max-gap",
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="Cap idle gaps of the recording at this many (schedule) seconds.",
+)
+@click.option(
+    "--loop",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="Play the recording N times (0: until interrupted).",
+)
+@click.option(
+    "--unique-hashes",
+    is_flag=True,
+    help="Re-salt block hashes on every loop after the first, so a router sees new "
+    "blocks (implies re-encoding).",
+)
 @click.option("--start", metavar="SECONDS|seq:N", help="Skip what comes before this point.")
 @click.option("--end", metavar="SECONDS|seq:N", help="Stop at this point.")
 @filter_options
-@click.option("-c", "--count", type=click.IntRange(min=1), metavar="N",
-              help="Stop after N events.")
+@click.option("-c", "--count", type=click.IntRange(min=1), metavar="N", help="Stop after N events.")
 @report_options
 def command(**params: Any) -> None:
     """Replay recordings into an engine (ZMQ PUB that binds) or a router (Dynamo on NATS),
@@ -66,16 +87,20 @@ def command(**params: Any) -> None:
     from ..session import Interrupted, make_filters
     from ..targets import Sender
 
-    if params["encoding"] == "raw" and (params["unique_hashes"] or params["types"]
-                                        or params["workers"] or params["count"]):
-        raise click.UsageError("--format raw sends recorded bytes unchanged: it cannot be "
-                               "combined with filters, -c or --unique-hashes")
+    if params["encoding"] == "raw" and (
+        params["unique_hashes"] or params["types"] or params["workers"] or params["count"]
+    ):
+        raise click.UsageError(
+            "--format raw sends recorded bytes unchanged: it cannot be "
+            "combined with filters, -c or --unique-hashes"
+        )
     start, end = parse_window(params["start"]), parse_window(params["end"])
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
     filters = make_filters(params)
     # paced sends must not stall while the next chunk is decoded (256 rows: ~3 ms stalls)
-    source = RecordingSource(list(params["recordings"]),
-                             chunk_rows=4096 if params["topspeed"] else 256)
+    source = RecordingSource(
+        list(params["recordings"]), chunk_rows=4096 if params["topspeed"] else 256
+    )
     target = open_target(params, diagnostics)
     speed = None if params["topspeed"] or params["rate"] else params["speed"]
     schedule = Schedule(None if params["topspeed"] else (1.0 if params["rate"] else speed))
@@ -184,10 +209,17 @@ class _Progress:
 
         per_loop = recorded_batches(params["recordings"])
         total = per_loop * params["loop"] if per_loop is not None and params["loop"] else None
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TaskProgressColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                            TextColumn("{task.fields[rate]}"), console=diagnostics.console,
-                            transient=True)
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TaskProgressColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[rate]}"),
+            console=diagnostics.console,
+            transient=True,
+        )
         self.task = self.bar.add_task("replaying", total=total, rate="")
         self.bar.start()
         self.sender = sender
@@ -203,8 +235,7 @@ class _Progress:
         if now - self.shown >= 0.1:  # rich redraws 10 times a second: no need to tell it more
             self.shown = now
             rate = self.sender.batches / max(now - self.started, 1e-9)
-            self.bar.update(self.task, completed=self.read,
-                            rate=f"{rate:,.0f} batches/s sent")
+            self.bar.update(self.task, completed=self.read, rate=f"{rate:,.0f} batches/s sent")
 
     def stop(self) -> None:
         if self.bar is not None:

@@ -14,59 +14,158 @@ from ..text import plural
 
 
 @click.command("simulate", cls=KvctlCommand)
-@click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Simulated engines (one PUB socket each).")
-@click.option("--num-blocks", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="KV cache capacity of each worker, in blocks.")
-@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Tokens per block.")
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048,
-              show_default=True, help="Scheduler token budget per step (chunked prefill).")
-@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=10.0,
-              show_default=True, help="Request arrivals per second over the fleet (Poisson).")
-@click.option("--prefixes", type=click.IntRange(min=0), default=8, show_default=True,
-              help="Shared system prompts (Zipf popularity).")
-@click.option("--router", type=click.Choice(["kv", "prefix", "random", "round-robin"]),
-              default="kv", show_default=True, help="How requests are spread over workers.")
-@click.option("--trace", type=click.Path(exists=True, dir_okay=False),
-              help="Mooncake-style JSONL trace to replay instead of the synthetic workload.")
-@click.option("--requests", type=click.IntRange(min=1), metavar="N",
-              help="Stop issuing requests after N (the fleet then drains).")
-@click.option("--duration", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
-              help="Stop after this much simulated time (wall time at --speedup 1).")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Same seed (and --epoch) => byte-identical streams.")
-@click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=1.0,
-              show_default=True, help="Run simulated time this many times faster than real time.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Simulated engines (one PUB socket each).",
+)
+@click.option(
+    "--num-blocks",
+    type=click.IntRange(min=1),
+    default=4096,
+    show_default=True,
+    help="KV cache capacity of each worker, in blocks.",
+)
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Tokens per block.",
+)
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="Scheduler token budget per step (chunked prefill).",
+)
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Request arrivals per second over the fleet (Poisson).",
+)
+@click.option(
+    "--prefixes",
+    type=click.IntRange(min=0),
+    default=8,
+    show_default=True,
+    help="Shared system prompts (Zipf popularity).",
+)
+@click.option(
+    "--router",
+    type=click.Choice(["kv", "prefix", "random", "round-robin"]),
+    default="kv",
+    show_default=True,
+    help="How requests are spread over workers.",
+)
+@click.option(
+    "--trace",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Mooncake-style JSONL trace to replay instead of the synthetic workload.",
+)
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Stop issuing requests after N (the fleet then drains).",
+)
+@click.option(
+    "--duration",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="Stop after this much simulated time (wall time at --speedup 1).",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Same seed (and --epoch) => byte-identical streams.",
+)
+@click.option(
+    "--speedup",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Run simulated time this many times faster than real time.",
+)
 @click.option("--topspeed", is_flag=True, help="Publish as fast as possible (no pacing).")
-@click.option("--epoch", type=float, metavar="UNIX_SECONDS",
-              help="Engine timestamp of simulated time 0 (default: now).")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Interface the PUB sockets bind (0.0.0.0 exposes them).")
-@click.option("--base-port", type=click.IntRange(1, 65535), default=5557, show_default=True,
-              help="Worker i publishes on base-port + i (like vLLM's DP ranks).")
-@click.option("--replay-base-port", type=click.IntRange(1, 65535),
-              help="Also serve a replay ROUTER per worker on replay-base-port + i.")
-@click.option("--format", "encoding", type=click.Choice(["vllm", "vllm-array", "sglang", "seed",
-                                                         "dynamo", "dynamo-json"]),
-              help="Wire format: vllm (default on ZMQ), vllm-array, sglang, seed; dynamo "
-                   "(default on NATS) or dynamo-json.")
-@click.option("--to", metavar="URL",
-              help="Publish to NATS as Dynamo does (nats://HOST:PORT) instead of ZMQ sockets.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False),
-              help="Write a recording instead of publishing (no sockets, as fast as possible).")
-@click.option("--overwrite", is_flag=True,
-              help="With -o: replace an existing recording file (atomically, when the new one "
-                   "is complete). Without it an existing file is refused.")
+@click.option(
+    "--epoch",
+    type=float,
+    metavar="UNIX_SECONDS",
+    help="Engine timestamp of simulated time 0 (default: now).",
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Interface the PUB sockets bind (0.0.0.0 exposes them).",
+)
+@click.option(
+    "--base-port",
+    type=click.IntRange(1, 65535),
+    default=5557,
+    show_default=True,
+    help="Worker i publishes on base-port + i (like vLLM's DP ranks).",
+)
+@click.option(
+    "--replay-base-port",
+    type=click.IntRange(1, 65535),
+    help="Also serve a replay ROUTER per worker on replay-base-port + i.",
+)
+@click.option(
+    "--format",
+    "encoding",
+    type=click.Choice(["vllm", "vllm-array", "sglang", "seed", "dynamo", "dynamo-json"]),
+    help="Wire format: vllm (default on ZMQ), vllm-array, sglang, seed; dynamo "
+    "(default on NATS) or dynamo-json.",
+)
+@click.option(
+    "--to",
+    metavar="URL",
+    help="Publish to NATS as Dynamo does (nats://HOST:PORT) instead of ZMQ sockets.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    help="Write a recording instead of publishing (no sockets, as fast as possible).",
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="With -o: replace an existing recording file (atomically, when the new one "
+    "is complete). Without it an existing file is refused.",
+)
 @click.option("--namespace", default="dynamo", show_default=True, help="Dynamo namespace (NATS).")
-@click.option("--component", default="backend", show_default=True,
-              help="Dynamo component (NATS).")
-@click.option("--endpoint", "dynamo_endpoint", default="generate", show_default=True,
-              help="Dynamo endpoint (NATS).")
-@click.option("--wait-subscribers", type=click.IntRange(min=0), default=0, metavar="N",
-              help="Hold the first batch until N subscribers joined each worker's socket.")
-@click.option("--start-delay", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
-              help="Wait this long after binding before publishing.")
+@click.option("--component", default="backend", show_default=True, help="Dynamo component (NATS).")
+@click.option(
+    "--endpoint",
+    "dynamo_endpoint",
+    default="generate",
+    show_default=True,
+    help="Dynamo endpoint (NATS).",
+)
+@click.option(
+    "--wait-subscribers",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="Hold the first batch until N subscribers joined each worker's socket.",
+)
+@click.option(
+    "--start-delay",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    metavar="SECONDS",
+    help="Wait this long after binding before publishing.",
+)
 @nats_auth_options
 @report_options
 def command(**params: Any) -> None:
@@ -98,18 +197,25 @@ def command(**params: Any) -> None:
     from ..transports.files import output_conflict
 
     if params["output"]:  # before any work: nothing of the user's is replaced unasked
-        conflict = output_conflict(params["output"], segmented=False,
-                                   overwrite=params["overwrite"])
+        conflict = output_conflict(params["output"], segmented=False, overwrite=params["overwrite"])
         if conflict is not None:
             raise UsageError(conflict)
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
     try:  # the whole trace is checked here, before any socket or file is opened
-        fleet = Fleet(workers=params["workers"], num_blocks=params["num_blocks"],
-                      block_size=params["block_size"],
-                      max_num_batched_tokens=params["max_num_batched_tokens"],
-                      rate=params["rate"], prefixes=params["prefixes"], router=params["router"],
-                      trace=params["trace"], requests=params["requests"],
-                      duration=params["duration"], seed=params["seed"], speedup=1.0)
+        fleet = Fleet(
+            workers=params["workers"],
+            num_blocks=params["num_blocks"],
+            block_size=params["block_size"],
+            max_num_batched_tokens=params["max_num_batched_tokens"],
+            rate=params["rate"],
+            prefixes=params["prefixes"],
+            router=params["router"],
+            trace=params["trace"],
+            requests=params["requests"],
+            duration=params["duration"],
+            seed=params["seed"],
+            speedup=1.0,
+        )
     except TraceError as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:
@@ -118,34 +224,50 @@ def command(**params: Any) -> None:
     if params["output"] and params["to"]:
         raise click.UsageError("-o writes a recording; --to publishes: choose one")
     if params["output"]:
-        target: Any = RecordingTarget(params["output"], params["encoding"],
-                                      metadata={"command": redact_argv(sys.argv[1:]),
-                                                "simulated": True},
-                                      overwrite=params["overwrite"])
+        target: Any = RecordingTarget(
+            params["output"],
+            params["encoding"],
+            metadata={"command": redact_argv(sys.argv[1:]), "simulated": True},
+            overwrite=params["overwrite"],
+        )
         params["topspeed"] = True  # a dataset, not a live stream: no pacing
     else:
-        target = open_target(to, params["encoding"], per_worker=True,
-                             replay_port=params["replay_base_port"],
-                             namespace=params["namespace"], component=params["component"],
-                             endpoint=params["dynamo_endpoint"], options=nats_options(params),
-                             on_long_stall=stall_warning(diagnostics),
-                             notify=transport_notice(diagnostics))
+        target = open_target(
+            to,
+            params["encoding"],
+            per_worker=True,
+            replay_port=params["replay_base_port"],
+            namespace=params["namespace"],
+            component=params["component"],
+            endpoint=params["dynamo_endpoint"],
+            options=nats_options(params),
+            on_long_stall=stall_warning(diagnostics),
+            notify=transport_notice(diagnostics),
+        )
     counts = {"batches": 0, "events": 0, "bytes": 0}
     started, cpu_started = time.monotonic(), time.process_time()
     display = None
     interrupted = False
     try:
         if params["output"]:
-            diagnostics.say(f"kvctl: {plural(params['workers'], 'worker')} recording to "
-                            f"{params['output']}", "dim")
+            diagnostics.say(
+                f"kvctl: {plural(params['workers'], 'worker')} recording to {params['output']}",
+                "dim",
+            )
         elif hasattr(target, "open_slots"):
             endpoints = target.open_slots(params["workers"])
-            diagnostics.say(f"kvctl: {plural(params['workers'], 'worker')} publishing on "
-                            f"{endpoints[0]} .. {endpoints[-1]}", "dim")
+            diagnostics.say(
+                f"kvctl: {plural(params['workers'], 'worker')} publishing on "
+                f"{endpoints[0]} .. {endpoints[-1]}",
+                "dim",
+            )
         else:
-            diagnostics.say(f"kvctl: {plural(params['workers'], 'worker')} publishing to "
-                            f"{redact_url(to)} "
-                            f"({target.subject})", "dim")
+            diagnostics.say(
+                f"kvctl: {plural(params['workers'], 'worker')} publishing to "
+                f"{redact_url(to)} "
+                f"({target.subject})",
+                "dim",
+            )
         if params["wait_subscribers"]:
             waiting = plural(params["wait_subscribers"], "subscriber")
             diagnostics.say(f"kvctl: waiting for {waiting} on every worker", "dim")
@@ -159,9 +281,15 @@ def command(**params: Any) -> None:
         display = _live_display(fleet, params, counts)
         for t, worker, events in fleet.run():
             schedule.wait(t)
-            batch = Batch(source=f"simulate://worker-{worker}", events=events,
-                          format="engine-map", ts=epoch + t, recv_ns=int((epoch + t) * 1e9),
-                          worker_id=worker, dp_rank=0)
+            batch = Batch(
+                source=f"simulate://worker-{worker}",
+                events=events,
+                format="engine-map",
+                ts=epoch + t,
+                recv_ns=int((epoch + t) * 1e9),
+                worker_id=worker,
+                dp_rank=0,
+            )
             counts["bytes"] += target.write(batch, events, slot=worker)
             counts["batches"] += 1
             counts["events"] += len(events)
@@ -179,8 +307,13 @@ def command(**params: Any) -> None:
         if not params["as_json"]:
             say_delivery(delivery, counts["batches"], diagnostics)
         raise Interrupted(_summary_line(fleet, counts), params["quiet"])
-    result = {**fleet.stats(), **counts, "wall_s": round(time.monotonic() - started, 3),
-              "cpu_s": round(time.process_time() - cpu_started, 3), "delivery": delivery}
+    result = {
+        **fleet.stats(),
+        **counts,
+        "wall_s": round(time.monotonic() - started, 3),
+        "cpu_s": round(time.process_time() - cpu_started, 3),
+        "delivery": delivery,
+    }
     if params["as_json"]:
         click.echo(dumps(result))
     else:
@@ -190,34 +323,59 @@ def command(**params: Any) -> None:
 
 def _summary_line(fleet: Any, counts: dict[str, int]) -> str:
     total = fleet.stats()["total"]
-    return (f"{plural(counts['batches'], 'batch')}, {plural(counts['events'], 'event')} "
-            f"({plural(total['stored_blocks'], 'block')} stored, {total['removed_blocks']} "
-            "evicted) in "
-            f"{fleet.now:.1f} simulated s; prefix-cache hit rate {total['hit_rate']:.1%}")
+    return (
+        f"{plural(counts['batches'], 'batch')}, {plural(counts['events'], 'event')} "
+        f"({plural(total['stored_blocks'], 'block')} stored, {total['removed_blocks']} "
+        "evicted) in "
+        f"{fleet.now:.1f} simulated s; prefix-cache hit rate {total['hit_rate']:.1%}"
+    )
 
 
 def _worker_table(fleet: Any, title: str, rates: list[tuple[float, float]] | None = None) -> Any:
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for name in ("worker", "running", "waiting", "blocks in use", "cached/total", "hit rate",
-                 "stored", "evicted"):
+    for name in (
+        "worker",
+        "running",
+        "waiting",
+        "blocks in use",
+        "cached/total",
+        "hit rate",
+        "stored",
+        "evicted",
+    ):
         table.add_column(name, justify="right")
     if rates is not None:
         table.add_column("stores/s", justify="right")
         table.add_column("evictions/s", justify="right")
     stats = fleet.stats()
     for i, s in enumerate(stats["workers"]):
-        row = [str(i), str(s["running"]), str(s["waiting"]), str(s["blocks_used"]),
-               f"{s['blocks_cached']}/{s['blocks_total']}", f"{s['hit_rate']:.1%}",
-               str(s["stored_blocks"]), str(s["removed_blocks"])]
+        row = [
+            str(i),
+            str(s["running"]),
+            str(s["waiting"]),
+            str(s["blocks_used"]),
+            f"{s['blocks_cached']}/{s['blocks_total']}",
+            f"{s['hit_rate']:.1%}",
+            str(s["stored_blocks"]),
+            str(s["removed_blocks"]),
+        ]
         if rates is not None:
             row += [f"{rates[i][0]:.0f}", f"{rates[i][1]:.0f}"]
         table.add_row(*row)
     t = stats["total"]
-    table.add_row("all", str(t["running"]), str(t["waiting"]), str(t["blocks_used"]),
-                  f"{t['blocks_cached']}/{t['blocks_total']}", f"{t['hit_rate']:.1%}",
-                  str(t["stored_blocks"]), str(t["removed_blocks"]), style="bold")
+    table.add_row(
+        "all",
+        str(t["running"]),
+        str(t["waiting"]),
+        str(t["blocks_used"]),
+        f"{t['blocks_cached']}/{t['blocks_total']}",
+        f"{t['hit_rate']:.1%}",
+        str(t["stored_blocks"]),
+        str(t["removed_blocks"]),
+        style="bold",
+    )
     return table
 
 
@@ -240,8 +398,12 @@ class _LiveTable:
         self.counts = counts
         self.last = time.monotonic()
         self.prev = [(0, 0)] * len(fleet.workers)
-        self.live = Live(_worker_table(fleet, "kvctl simulate"), console=console,
-                         auto_refresh=False, transient=True)
+        self.live = Live(
+            _worker_table(fleet, "kvctl simulate"),
+            console=console,
+            auto_refresh=False,
+            transient=True,
+        )
         self.live.start()
 
     def tick(self) -> None:
@@ -251,12 +413,16 @@ class _LiveTable:
         stats = self.fleet.stats()["workers"]
         current = [(s["stored_blocks"], s["removed_blocks"]) for s in stats]
         dt = now - self.last
-        rates = [((c[0] - p[0]) / dt, (c[1] - p[1]) / dt)
-                 for c, p in zip(current, self.prev, strict=True)]
+        rates = [
+            ((c[0] - p[0]) / dt, (c[1] - p[1]) / dt)
+            for c, p in zip(current, self.prev, strict=True)
+        ]
         self.prev, self.last = current, now
-        title = (f"kvctl simulate · {self.fleet.now:.1f} s simulated · "
-                 f"{plural(self.counts['batches'], 'batch')} · "
-                 f"{plural(self.counts['events'], 'event')}")
+        title = (
+            f"kvctl simulate · {self.fleet.now:.1f} s simulated · "
+            f"{plural(self.counts['batches'], 'batch')} · "
+            f"{plural(self.counts['events'], 'event')}"
+        )
         self.live.update(_worker_table(self.fleet, title, rates), refresh=True)
 
     def stop(self) -> None:

@@ -70,23 +70,36 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
     overall.add_column(style="bold")
     overall.add_column()
     rows = [
-        ("span", f"{_secs(span)} ({plural(len(result['rates']['buckets']), 'bucket')} of "
-                 f"{result['rates']['bucket_s']:g} s)"),
+        (
+            "span",
+            f"{_secs(span)} ({plural(len(result['rates']['buckets']), 'bucket')} of "
+            f"{result['rates']['bucket_s']:g} s)",
+        ),
         ("batches / events", f"{o['batches']:,} / {o['events']:,} (malformed {o['malformed']})"),
         ("events by type", ", ".join(f"{k} {v:,}" for k, v in by_type.items()) or "none"),
         ("blocks stored / removed", f"{blocks[BLOCK_STORED]:,} / {blocks[BLOCK_REMOVED]:,}"),
         ("workers / blocks cached now", f"{o['workers']} / {o['blocks_cached']:,}"),
-        ("events/s mean / peak", f"{_num(o['events'] / span if span else None)} / "
-                                 f"{_num(result['rates']['peak_events_per_s'])}"),
-        ("block lifetime p50 / p90 / p99", " / ".join(_secs(lt.get(q))
-                                                      for q in ("p50", "p90", "p99"))
-         + f" ({plural(lt['count'], 'removal', thousands=True)})"),
-        ("reuse across workers",
-         f"{plural(reuse['hashes_on_multiple_workers'], 'hash', thousands=True)} on several "
-         f"workers, {plural(reuse['extra_stores'], 'store', thousands=True)} of a block "
-         "another worker held"),
-        ("gaps", f"{gaps} ({plural(missing, 'batch')} missing), ts backwards "
-                 f"{result['gaps']['ts_backwards']}"),
+        (
+            "events/s mean / peak",
+            f"{_num(o['events'] / span if span else None)} / "
+            f"{_num(result['rates']['peak_events_per_s'])}",
+        ),
+        (
+            "block lifetime p50 / p90 / p99",
+            " / ".join(_secs(lt.get(q)) for q in ("p50", "p90", "p99"))
+            + f" ({plural(lt['count'], 'removal', thousands=True)})",
+        ),
+        (
+            "reuse across workers",
+            f"{plural(reuse['hashes_on_multiple_workers'], 'hash', thousands=True)} on several "
+            f"workers, {plural(reuse['extra_stores'], 'store', thousands=True)} of a block "
+            "another worker held",
+        ),
+        (
+            "gaps",
+            f"{gaps} ({plural(missing, 'batch')} missing), ts backwards "
+            f"{result['gaps']['ts_backwards']}",
+        ),
         ("stopped by", summary.stopped_by),
     ]
     for k, v in rows:
@@ -98,19 +111,31 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
     per.add_column("worker", overflow="fold", min_width=14)
     for name in ("events", "stored", "removed", "cleared", "cached", "peak", "events/s"):
         per.add_column(name, justify="right", no_wrap=True)
-    life = Table(title="block lifetime per worker (store to removal, engine clock)",
-                 title_justify="left", box=box.SIMPLE_HEAD)
+    life = Table(
+        title="block lifetime per worker (store to removal, engine clock)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
     life.add_column("worker", overflow="fold", min_width=14)
     for name in ("removals", "min", "p50", "p90", "p99", "max"):
         life.add_column(name, justify="right", no_wrap=True)
     for label, w in result["workers"].items():
         et, bt, wl = w["events_by_type"], w["blocks_by_type"], w["lifetime_s"]
-        per.add_row(escape(label), f"{w['events']:,}", f"{bt[BLOCK_STORED]:,}",
-                    f"{bt[BLOCK_REMOVED]:,}", f"{et.get(ALL_BLOCKS_CLEARED, 0):,}",
-                    f"{w['blocks_cached']:,}", f"{w['max_blocks_cached']:,}",
-                    _num(w["events"] / span if span else None))
-        life.add_row(escape(label), f"{wl['count']:,}",
-                     *(_secs(wl.get(q)) for q in ("min", "p50", "p90", "p99", "max")))
+        per.add_row(
+            escape(label),
+            f"{w['events']:,}",
+            f"{bt[BLOCK_STORED]:,}",
+            f"{bt[BLOCK_REMOVED]:,}",
+            f"{et.get(ALL_BLOCKS_CLEARED, 0):,}",
+            f"{w['blocks_cached']:,}",
+            f"{w['max_blocks_cached']:,}",
+            _num(w["events"] / span if span else None),
+        )
+        life.add_row(
+            escape(label),
+            f"{wl['count']:,}",
+            *(_secs(wl.get(q)) for q in ("min", "p50", "p90", "p99", "max")),
+        )
     console.print(per)
     console.print(life)
 
@@ -123,19 +148,44 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
         mix.add_row("lora", escape(name), f"{n:,}", "")
     medium = result["medium"]
     for name in sorted(set(medium["stored"]) | set(medium["removed"])):
-        mix.add_row("medium", escape(name), f"{medium['stored'].get(name, 0):,}",
-                    f"{medium['removed'].get(name, 0):,}")
+        mix.add_row(
+            "medium",
+            escape(name),
+            f"{medium['stored'].get(name, 0):,}",
+            f"{medium['removed'].get(name, 0):,}",
+        )
     console.print(mix)
 
     seq = Table(title="sequence per publisher", title_justify="left", box=box.SIMPLE_HEAD)
     seq.add_column("publisher", overflow="fold", min_width=14)
-    for name in ("batches", "last seq", "gaps", "missing", "dups", "reorders", "resets",
-                 "recovered"):
+    for name in (
+        "batches",
+        "last seq",
+        "gaps",
+        "missing",
+        "dups",
+        "reorders",
+        "resets",
+        "recovered",
+    ):
         seq.add_column(name, justify="right", no_wrap=True)
     for pub, p in result["gaps"]["publishers"].items():
-        seq.add_row(escape(pub), *(f"{p[k]:,}" for k in (
-            "batches", "last_seq", "gaps", "missing", "duplicates", "reorders", "resets",
-            "recovered")))
+        seq.add_row(
+            escape(pub),
+            *(
+                f"{p[k]:,}"
+                for k in (
+                    "batches",
+                    "last_seq",
+                    "gaps",
+                    "missing",
+                    "duplicates",
+                    "reorders",
+                    "resets",
+                    "recovered",
+                )
+            ),
+        )
     console.print(seq)
 
 
@@ -143,15 +193,29 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
 @source_arguments
 @filter_options
 @limit_options
-@click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=1.0,
-              show_default=True, metavar="SECONDS",
-              help="Resolution of rates and occupancy over time (doubles on long streams).")
-@click.option("--plot", "plot_dir", metavar="DIR", type=click.Path(file_okay=False),
-              help="Also write occupancy.png, rates.png and lifetimes.png into DIR "
-                   "(needs matplotlib: pip install 'matplotlib>=3.7').")
-@click.option("--num-blocks", type=click.IntRange(min=1), metavar="N",
-              help="KV-cache capacity per worker in blocks, if known: drawn as the capacity "
-                   "line of occupancy.png.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Resolution of rates and occupancy over time (doubles on long streams).",
+)
+@click.option(
+    "--plot",
+    "plot_dir",
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="Also write occupancy.png, rates.png and lifetimes.png into DIR "
+    "(needs matplotlib: pip install 'matplotlib>=3.7').",
+)
+@click.option(
+    "--num-blocks",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="KV-cache capacity per worker in blocks, if known: drawn as the capacity "
+    "line of occupancy.png.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or summary on stderr.")
 def command(**params: Any) -> None:

@@ -19,19 +19,45 @@ from ..state import SeqTracker, StreamState, WorkerKey, recv_time, worker_label
 from ..text import plural
 
 # Sort keys -> row field; every numeric column sorts largest first (what `top` users expect).
-SORT_KEYS = {"worker": "worker", "cached": "blocks_cached", "stores": "stored_blocks_per_s",
-             "removes": "removed_blocks_per_s", "batches": "batches_per_s", "seq": "last_seq",
-             "gaps": "gaps", "malformed": "malformed", "seen": "last_seen_s"}
+SORT_KEYS = {
+    "worker": "worker",
+    "cached": "blocks_cached",
+    "stores": "stored_blocks_per_s",
+    "removes": "removed_blocks_per_s",
+    "batches": "batches_per_s",
+    "seq": "last_seq",
+    "gaps": "gaps",
+    "malformed": "malformed",
+    "seen": "last_seen_s",
+}
 # Short headers: the whole table fits 80 columns with 12-character worker labels.
-COLUMNS = (("worker", "worker"), ("blocks_cached", "cached"),
-           ("stored_blocks_per_s", "store/s"), ("removed_blocks_per_s", "remove/s"),
-           ("batches_per_s", "batch/s"), ("last_seq", "seq"), ("gaps", "gaps"),
-           ("malformed", "malformed"), ("last_seen_s", "seen"))
+COLUMNS = (
+    ("worker", "worker"),
+    ("blocks_cached", "cached"),
+    ("stored_blocks_per_s", "store/s"),
+    ("removed_blocks_per_s", "remove/s"),
+    ("batches_per_s", "batch/s"),
+    ("last_seq", "seq"),
+    ("gaps", "gaps"),
+    ("malformed", "malformed"),
+    ("last_seen_s", "seen"),
+)
 
 
 class _Row:
-    __slots__ = ("batches", "stored", "removed", "events", "last_seq", "gaps", "missing",
-                 "malformed", "last_seen", "prev", "rates")
+    __slots__ = (
+        "batches",
+        "stored",
+        "removed",
+        "events",
+        "last_seq",
+        "gaps",
+        "missing",
+        "malformed",
+        "last_seen",
+        "prev",
+        "rates",
+    )
 
     def __init__(self) -> None:
         self.batches = self.stored = self.removed = self.events = 0
@@ -111,22 +137,31 @@ class TopModel:
             row.rates = tuple((c - p) / dt for c, p in zip(cur, row.prev, strict=True))
             row.prev = cur
 
-    def snapshot(self, now_epoch: float, sort: str = "worker",
-                 reverse: bool = False) -> list[dict[str, Any]]:
+    def snapshot(
+        self, now_epoch: float, sort: str = "worker", reverse: bool = False
+    ) -> list[dict[str, Any]]:
         out = []
         for key, row in self.rows.items():
             cache = self.state.workers.get(key)
             seen = None if row.last_seen is None else max(0.0, now_epoch - row.last_seen)
-            out.append({
-                "worker": worker_label(key), "blocks_cached": len(cache.blocks) if cache else 0,
-                "stored_blocks_per_s": round(row.rates[1], 2),
-                "removed_blocks_per_s": round(row.rates[2], 2),
-                "batches_per_s": round(row.rates[0], 2), "last_seq": row.last_seq,
-                "gaps": row.gaps, "missing_batches": row.missing, "malformed": row.malformed,
-                "last_seen_s": None if seen is None else round(seen, 3),
-                "batches": row.batches, "events": row.events, "stored_blocks": row.stored,
-                "removed_blocks": row.removed,
-            })
+            out.append(
+                {
+                    "worker": worker_label(key),
+                    "blocks_cached": len(cache.blocks) if cache else 0,
+                    "stored_blocks_per_s": round(row.rates[1], 2),
+                    "removed_blocks_per_s": round(row.rates[2], 2),
+                    "batches_per_s": round(row.rates[0], 2),
+                    "last_seq": row.last_seq,
+                    "gaps": row.gaps,
+                    "missing_batches": row.missing,
+                    "malformed": row.malformed,
+                    "last_seen_s": None if seen is None else round(seen, 3),
+                    "batches": row.batches,
+                    "events": row.events,
+                    "stored_blocks": row.stored,
+                    "removed_blocks": row.removed,
+                }
+            )
         field = SORT_KEYS[sort]
         if field == "worker":
             out.sort(key=lambda r: r["worker"], reverse=reverse)
@@ -148,8 +183,14 @@ def _ago(seconds: float | None) -> str:
     return f"{seconds / 60:.0f}m" if seconds < 3600 else f"{seconds / 3600:.0f}h"
 
 
-def render(model: TopModel, rows: list[dict[str, Any]], sort: str, reverse: bool,
-           summary_line: str, keys_hint: bool) -> Any:
+def render(
+    model: TopModel,
+    rows: list[dict[str, Any]],
+    sort: str,
+    reverse: bool,
+    summary_line: str,
+    keys_hint: bool,
+) -> Any:
     from rich import box
     from rich.console import Group
     from rich.markup import escape
@@ -158,10 +199,12 @@ def render(model: TopModel, rows: list[dict[str, Any]], sort: str, reverse: bool
 
     arrow = "↑" if (sort == "worker") != reverse else "↓"
     hint = " · keys: q quit, s sort, r reverse" if keys_hint else ""
-    title = (f"kvctl top · {time.strftime('%H:%M:%S')} · {plural(len(rows), 'worker')} · "
-             f"{plural(model.state.total_blocks, 'block', thousands=True)} cached · "
-             f"{plural(model.events, 'event', thousands=True)} · "
-             f"sort: {sort} {arrow}{hint}")
+    title = (
+        f"kvctl top · {time.strftime('%H:%M:%S')} · {plural(len(rows), 'worker')} · "
+        f"{plural(model.state.total_blocks, 'block', thousands=True)} cached · "
+        f"{plural(model.events, 'event', thousands=True)} · "
+        f"sort: {sort} {arrow}{hint}"
+    )
     # Title and footer sit outside the table: a table title wraps at the table's width.
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     # A narrow terminal folds worker labels but never drops them (rich would shrink an
@@ -176,11 +219,17 @@ def render(model: TopModel, rows: list[dict[str, Any]], sort: str, reverse: bool
     for r in rows:
         gaps = str(r["gaps"]) if not r["gaps"] else f"[yellow]{r['gaps']}[/]"
         bad = str(r["malformed"]) if not r["malformed"] else f"[red]{r['malformed']}[/]"
-        table.add_row(escape(r["worker"]), f"{r['blocks_cached']:,}",
-                      f"{r['stored_blocks_per_s']:,.1f}", f"{r['removed_blocks_per_s']:,.1f}",
-                      f"{r['batches_per_s']:,.1f}",
-                      "-" if r["last_seq"] is None else str(r["last_seq"]), gaps, bad,
-                      _ago(r["last_seen_s"]))
+        table.add_row(
+            escape(r["worker"]),
+            f"{r['blocks_cached']:,}",
+            f"{r['stored_blocks_per_s']:,.1f}",
+            f"{r['removed_blocks_per_s']:,.1f}",
+            f"{r['batches_per_s']:,.1f}",
+            "-" if r["last_seq"] is None else str(r["last_seq"]),
+            gaps,
+            bad,
+            _ago(r["last_seen_s"]),
+        )
     if not rows:
         table.add_row("[dim]waiting for events…[/]", *[""] * (len(COLUMNS) - 1))
     return Group(Text(title, style="bold"), table, Text(summary_line, style="dim"))
@@ -230,13 +279,28 @@ class Keys:
 @source_arguments
 @filter_options
 @limit_options
-@click.option("--sort", type=click.Choice(list(SORT_KEYS)), default="worker", show_default=True,
-              help="Column to sort rows by (numbers largest first, workers A-Z).")
+@click.option(
+    "--sort",
+    type=click.Choice(list(SORT_KEYS)),
+    default="worker",
+    show_default=True,
+    help="Column to sort rows by (numbers largest first, workers A-Z).",
+)
 @click.option("--reverse", is_flag=True, help="Reverse the sort order.")
-@click.option("--refresh", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
-              metavar="SECONDS", help="Seconds between screen updates (and rate windows).")
-@click.option("--json", "as_json", is_flag=True,
-              help="One JSON snapshot per refresh on stdout instead of a screen.")
+@click.option(
+    "--refresh",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Seconds between screen updates (and rate windows).",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON snapshot per refresh on stdout instead of a screen.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No messages or summary on stderr.")
 def command(**params: Any) -> None:
     """Watch KV-event streams live: one row per worker, refreshed every second.
@@ -267,8 +331,11 @@ def command(**params: Any) -> None:
     started = time.monotonic()
     model = TopModel(started)
     live_summary = Summary()  # replaced by the pipeline's when it returns
-    out = Console(highlight=False, soft_wrap=False,
-                  width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
+    out = Console(
+        highlight=False,
+        soft_wrap=False,
+        width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160,
+    )
     interactive = out.is_terminal and not as_json
 
     def frame() -> Any:
@@ -277,11 +344,19 @@ def command(**params: Any) -> None:
         if as_json:
             from ..output import dumps
 
-            return dumps({"time": round(time.time(), 3), "sort": view["sort"],
-                          "workers": rows, "blocks_cached": model.state.total_blocks,
-                          "batches": model.batches, "events": model.events})
-        line = (f"{plural(model.batches, 'batch', thousands=True)}, "
-                f"{time.monotonic() - started:.0f} s")
+            return dumps(
+                {
+                    "time": round(time.time(), 3),
+                    "sort": view["sort"],
+                    "workers": rows,
+                    "blocks_cached": model.state.total_blocks,
+                    "batches": model.batches,
+                    "events": model.events,
+                }
+            )
+        line = (
+            f"{plural(model.batches, 'batch', thousands=True)}, {time.monotonic() - started:.0f} s"
+        )
         return render(model, rows, view["sort"], view["reverse"], line, interactive)
 
     def show(live: Any) -> None:
@@ -319,9 +394,17 @@ def command(**params: Any) -> None:
             elif redraw and live is not None:
                 # re-sort now, without moving the rate window
                 rows = model.snapshot(time.time(), view["sort"], view["reverse"])
-                live.update(render(model, rows, view["sort"], view["reverse"],
-                                   plural(model.batches, "batch", thousands=True), True),
-                            refresh=True)
+                live.update(
+                    render(
+                        model,
+                        rows,
+                        view["sort"],
+                        view["reverse"],
+                        plural(model.batches, "batch", thousands=True),
+                        True,
+                    ),
+                    refresh=True,
+                )
             return True
 
         return tick
@@ -338,8 +421,9 @@ def command(**params: Any) -> None:
             if interactive:
                 from rich.live import Live
 
-                live = Live(frame(), console=out, auto_refresh=False, transient=False,
-                            redirect_stderr=False)
+                live = Live(
+                    frame(), console=out, auto_refresh=False, transient=False, redirect_stderr=False
+                )
                 live.start()
             try:
                 summary = read(params, model.feed, make_tick(live, keys), on_open)

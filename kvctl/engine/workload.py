@@ -256,12 +256,13 @@ def _trace_problem(record: object, previous_ts: float, block_tokens: int) -> str
     if missing:
         return f"missing {', '.join(missing)}"
     ts = record["timestamp"]
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts) \
-            or ts < 0:
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts) or ts < 0:
         return f"timestamp must be a number of milliseconds >= 0, got {ts!r}"
     if ts < previous_ts:
-        return (f"timestamp {ts!r} is earlier than the previous line's {previous_ts!r} "
-                "(a trace is replayed in time order)")
+        return (
+            f"timestamp {ts!r} is earlier than the previous line's {previous_ts!r} "
+            "(a trace is replayed in time order)"
+        )
     input_length, output_length = record["input_length"], record["output_length"]
     if not _is_int(input_length) or input_length < 1:
         return f"input_length must be an integer >= 1, got {input_length!r}"
@@ -271,8 +272,10 @@ def _trace_problem(record: object, previous_ts: float, block_tokens: int) -> str
     if not isinstance(hash_ids, list) or not all(_is_int(h) for h in hash_ids):
         return f"hash_ids must be a list of integers, got {json.dumps(hash_ids)[:60]}"
     if len(hash_ids) * block_tokens < input_length:
-        return (f"{len(hash_ids)} hash_ids of {block_tokens} tokens cannot cover "
-                f"input_length {input_length}")
+        return (
+            f"{len(hash_ids)} hash_ids of {block_tokens} tokens cannot cover "
+            f"input_length {input_length}"
+        )
     return None
 
 
@@ -289,8 +292,9 @@ def read_trace(path: str | Path, block_tokens: int = TRACE_BLOCK_TOKENS) -> Iter
             except UnicodeDecodeError:
                 raise TraceError(path, number, "not UTF-8 text") from None
             except json.JSONDecodeError as exc:
-                raise TraceError(path, number, f"not JSON ({exc.msg} at column {exc.colno})"
-                                 ) from None
+                raise TraceError(
+                    path, number, f"not JSON ({exc.msg} at column {exc.colno})"
+                ) from None
             problem = _trace_problem(record, previous_ts, block_tokens)
             if problem:
                 raise TraceError(path, number, problem)

@@ -44,11 +44,31 @@ def decode_zmq(
             topic = topic_frame.decode("utf-8", "replace") if topic_frame else ""
             if worker_id is None and topic:
                 worker_id = worker_from_topic(topic)
-            return Batch(source, events, shape, topic, seq, ts, recv_ns, worker_id,
-                         dp_rank if payload_dp is None else payload_dp, frames, None, False,
-                         source)
-    batch = Batch(source=source, events=[], format="unknown", recv_ns=recv_ns,
-                  worker_id=worker_id, dp_rank=dp_rank, frames=frames, publisher=source)
+            return Batch(
+                source,
+                events,
+                shape,
+                topic,
+                seq,
+                ts,
+                recv_ns,
+                worker_id,
+                dp_rank if payload_dp is None else payload_dp,
+                frames,
+                None,
+                False,
+                source,
+            )
+    batch = Batch(
+        source=source,
+        events=[],
+        format="unknown",
+        recv_ns=recv_ns,
+        worker_id=worker_id,
+        dp_rank=dp_rank,
+        frames=frames,
+        publisher=source,
+    )
     try:
         if len(frames) == 3:
             topic = frames[0].decode("utf-8", "replace")
@@ -67,8 +87,9 @@ def decode_zmq(
             batch.publisher = (source, publisher_id)
             batch.seq = sequence
         else:
-            raise DecodeError(f"{len(frames)} frames, expected 3 [topic, seq, payload]"
-                              " or 4 (Dynamo event plane)")
+            raise DecodeError(
+                f"{len(frames)} frames, expected 3 [topic, seq, payload] or 4 (Dynamo event plane)"
+            )
     except DecodeError as exc:
         batch.error = str(exc)
         batch.events = []
@@ -81,8 +102,15 @@ def decode_zmq(
 def decode_nats(subject: str, data: bytes, source: str, recv_ns: int = 0) -> Batch:
     """Decode a NATS message: Dynamo JSON RouterEvent, Dynamo >= 1.0 envelope, or an engine
     batch payload relayed as is."""
-    batch = Batch(source=source, events=[], format="unknown", topic=subject, recv_ns=recv_ns,
-                  frames=[data], publisher=(source, subject))
+    batch = Batch(
+        source=source,
+        events=[],
+        format="unknown",
+        topic=subject,
+        recv_ns=recv_ns,
+        frames=[data],
+        publisher=(source, subject),
+    )
     try:
         first = data[:1]
         if first in (b"{", b"[", b" ", b"\n", b"\t", b"\r"):

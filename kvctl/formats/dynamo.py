@@ -89,14 +89,17 @@ def router_event_to_event(obj: Any) -> Event:
                 if key in _BLOCK_FIELDS:
                     continue
                 if type(key) is not str:
-                    raise DecodeError(f"stored block has a {type(key).__name__} key,"
-                                      " expected field names")
+                    raise DecodeError(
+                        f"stored block has a {type(key).__name__} key, expected field names"
+                    )
                 values = per_block.get(key)
                 if values is None:
                     values = per_block[key] = []
                     if "block_" + key in event:
-                        raise DecodeError(f"stored block field {_short(key)} collides with"
-                                          f" the stored field {_short('block_' + key)}")
+                        raise DecodeError(
+                            f"stored block field {_short(key)} collides with"
+                            f" the stored field {_short('block_' + key)}"
+                        )
                     event["block_" + key] = values
                 values.append(block[key])
     elif isinstance(data, dict) and isinstance(data.get("removed"), dict):
@@ -119,9 +122,23 @@ def router_event_to_event(obj: Any) -> Event:
 
 
 _BLOCK_FIELDS = frozenset({"block_hash", "tokens_hash", "mm_extra_info"})
-_DERIVED = frozenset({"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                      "lora_id", "lora_name", "medium", "tokens_hashes", "mm_extra_info",
-                      "event_id", "worker_id", "dp_rank"})
+_DERIVED = frozenset(
+    {
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "lora_name",
+        "medium",
+        "tokens_hashes",
+        "mm_extra_info",
+        "event_id",
+        "worker_id",
+        "dp_rank",
+    }
+)
 """Fields of the canonical event that kvctl derives from a RouterEvent's own structure."""
 
 
@@ -133,8 +150,10 @@ def _add_extras(event: Event, source: dict[Any, Any], skip: tuple[str, ...], whe
         if key in skip:
             continue
         if key in _DERIVED or key in event:
-            raise DecodeError(f"{where} field {_short(key)} collides with a field kvctl"
-                              " derives or keeps from another level")
+            raise DecodeError(
+                f"{where} field {_short(key)} collides with a field kvctl"
+                " derives or keeps from another level"
+            )
         event[key] = value
 
 
@@ -170,9 +189,11 @@ def _router_events(objs: list[Any]) -> list[Event]:
     events = [router_event_to_event(o) for o in objs]
     for i, event in enumerate(events):
         problem = field_type_error(event)
-        if problem is None and not (type(event["worker_id"]) in _INT_OR_NIL
-                                    and type(event["dp_rank"]) in _INT_OR_NIL
-                                    and type(event["event_id"]) in _INT_OR_NIL):
+        if problem is None and not (
+            type(event["worker_id"]) in _INT_OR_NIL
+            and type(event["dp_rank"]) in _INT_OR_NIL
+            and type(event["event_id"]) in _INT_OR_NIL
+        ):
             key = next(k for k in _ROUTER_INTS if type(event[k]) not in _INT_OR_NIL)
             problem = f"{key} is {kind_of(event[key])}, expected int or nil"
         if problem is not None:
@@ -182,8 +203,11 @@ def _router_events(objs: list[Any]) -> list[Event]:
 
 _NUMBER_OR_NIL = frozenset({int, float, type(None)})
 _PUBLISHED_AT_MIN, _PUBLISHED_AT_MAX = (ts * 1000 for ts in TS_RANGE)
-_ENVELOPE_HEADER = (("publisher_id", _INT_OR_NIL, "int"), ("sequence", _INT_OR_NIL, "int"),
-                    ("published_at", _NUMBER_OR_NIL, "number"))
+_ENVELOPE_HEADER = (
+    ("publisher_id", _INT_OR_NIL, "int"),
+    ("sequence", _INT_OR_NIL, "int"),
+    ("published_at", _NUMBER_OR_NIL, "number"),
+)
 """Envelope header fields kvctl reads, with the types Dynamo sends (nil: absent). The publisher
 id keys sequence tracking, so it must be something a key can be made of."""
 
@@ -203,17 +227,21 @@ def decode_envelope(payload: bytes) -> tuple[dict[str, Any], list[Event]]:
     if not isinstance(env, dict) or not isinstance(env.get("payload"), bytes):
         raise DecodeError("Dynamo envelope must be a map with a binary 'payload'")
     get = env.get
-    if not (type(get("publisher_id")) in _INT_OR_NIL and type(get("sequence")) in _INT_OR_NIL
-            and type(get("published_at")) in _NUMBER_OR_NIL):
+    if not (
+        type(get("publisher_id")) in _INT_OR_NIL
+        and type(get("sequence")) in _INT_OR_NIL
+        and type(get("published_at")) in _NUMBER_OR_NIL
+    ):
         for key, types, expected in _ENVELOPE_HEADER:
             value = get(key)
             if type(value) not in types:
-                raise DecodeError(f"envelope {key} is {kind_of(value)}, expected {expected}"
-                                  " or nil")
+                raise DecodeError(f"envelope {key} is {kind_of(value)}, expected {expected} or nil")
     published_at = get("published_at")
     if published_at is not None and not _PUBLISHED_AT_MIN <= published_at <= _PUBLISHED_AT_MAX:
-        raise DecodeError(f"envelope published_at {published_at!r} is not a time (ms since the"
-                          " epoch, years 1-9999)")  # the comparison is also false for NaN
+        raise DecodeError(
+            f"envelope published_at {published_at!r} is not a time (ms since the"
+            " epoch, years 1-9999)"
+        )  # the comparison is also false for NaN
     inner = _unpack(env["payload"], "envelope payload")
     objs = inner if isinstance(inner, list) else [inner]
     header = {k: v for k, v in env.items() if k != "payload"}
@@ -230,8 +258,10 @@ def unwrap_event_plane(frames: list[bytes]) -> tuple[int, int, bytes]:
     if len(frames) != 4:
         raise DecodeError(f"{len(frames)} frames, a Dynamo event-plane message has 4")
     if len(frames[1]) != 8 or len(frames[2]) != 8:
-        raise DecodeError(f"4 frames, but publisher_id/sequence frames are {len(frames[1])}"
-                          f" and {len(frames[2])} bytes, expected 8 (Dynamo event plane)")
+        raise DecodeError(
+            f"4 frames, but publisher_id/sequence frames are {len(frames[1])}"
+            f" and {len(frames[2])} bytes, expected 8 (Dynamo event plane)"
+        )
     frame = frames[3]
     if len(frame) < 5 or frame[0] != EVENT_PLANE_VERSION:
         raise DecodeError(f"event-plane frame has unknown version byte {frame[:1].hex()}")
@@ -266,21 +296,23 @@ def router_event(
         given = event.get("tokens_hashes")
         blocks = []
         for i, h in enumerate(hashes):
-            th = given[i] if given else tokens_hash(tokens[i * size:(i + 1) * size], lora)
+            th = given[i] if given else tokens_hash(tokens[i * size : (i + 1) * size], lora)
             block: dict[str, Any] = {"block_hash": h, "tokens_hash": th}
             if modern:
                 block["mm_extra_info"] = None
             blocks.append(block)
         parent = event.get("parent_block_hash")
-        stored: dict[str, Any] = {"parent_hash": to_unsigned(parent) if parent is not None
-                                  else None}
+        stored: dict[str, Any] = {
+            "parent_hash": to_unsigned(parent) if parent is not None else None
+        }
         if modern:
             stored["start_position"] = event.get("start_position")
         stored["blocks"] = blocks
         data: Any = {"stored": stored}
     elif etype == BLOCK_REMOVED:
-        data = {"removed": {"block_hashes": [to_unsigned(h) for h in event.get("block_hashes")
-                                             or ()]}}
+        data = {
+            "removed": {"block_hashes": [to_unsigned(h) for h in event.get("block_hashes") or ()]}
+        }
     else:
         data = "cleared"
     out: dict[str, Any] = {"worker_id": worker_id}
@@ -302,17 +334,20 @@ def encode_envelope(
     router_events: list[dict[str, Any]], publisher_id: int, sequence: int, published_at_ms: int
 ) -> bytes:
     """Dynamo >= 1.0: msgpack envelope holding a msgpack array of RouterEvents."""
-    return msgpack.packb({
-        "publisher_id": publisher_id,
-        "sequence": sequence,
-        "published_at": published_at_ms,
-        "topic": "kv-events",
-        "payload": msgpack.packb(router_events),
-    })
+    return msgpack.packb(
+        {
+            "publisher_id": publisher_id,
+            "sequence": sequence,
+            "published_at": published_at_ms,
+            "topic": "kv-events",
+            "payload": msgpack.packb(router_events),
+        }
+    )
 
 
-def encode_event_plane(envelope: bytes, publisher_id: int, sequence: int,
-                       topic: bytes = EVENT_PLANE_TOPIC) -> list[bytes]:
+def encode_event_plane(
+    envelope: bytes, publisher_id: int, sequence: int, topic: bytes = EVENT_PLANE_TOPIC
+) -> list[bytes]:
     """The 4 frames of an event-plane message; ``topic`` is ``kv-events`` in direct mode, the
     full subject through the broker."""
     frame = bytes([EVENT_PLANE_VERSION]) + struct.pack(">I", len(envelope)) + envelope

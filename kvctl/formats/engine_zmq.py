@@ -86,8 +86,7 @@ def decode_batch_object(obj: Any) -> tuple[float | None, list[Event], int | None
     if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         raise DecodeError(f"batch ts is {_describe(ts)}, expected a number")
     if not _TS_MIN <= ts <= _TS_MAX:  # also false for NaN
-        raise DecodeError(f"batch ts {ts!r} is not a time (seconds since the epoch, years "
-                          "1-9999)")
+        raise DecodeError(f"batch ts {ts!r} is not a time (seconds since the epoch, years 1-9999)")
     if not isinstance(raw_events, list):
         raise DecodeError(f"batch events is {_describe(raw_events)}, expected an array")
     if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool)):
@@ -139,11 +138,25 @@ def _describe(obj: Any) -> str:
 
 # --- encoders ---------------------------------------------------------------------------------
 
-_VLLM_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                "medium", "lora_name")
-_VLLM_STORED_OPTIONAL = ("extra_keys", "group_idx", "kv_cache_spec_kind",
-                         "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
-                         "lookahead_token_ids")
+_VLLM_STORED = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+)
+_VLLM_STORED_OPTIONAL = (
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+)
 _SGLANG_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
 _SGLANG_STORED_OPTIONAL = ("medium", "cache_salt", "session_id", "lora_name")
 
@@ -183,8 +196,11 @@ def vllm_map_event(event: Event) -> dict[str, Any]:
                 out[key] = event[key]
         return out
     if etype == BLOCK_REMOVED:
-        out = {"type": etype, "block_hashes": _hashes(event, _keep_vllm),
-               "medium": event.get("medium") or "GPU"}
+        out = {
+            "type": etype,
+            "block_hashes": _hashes(event, _keep_vllm),
+            "medium": event.get("medium") or "GPU",
+        }
         for key in ("group_idx", "locality", "ownership"):
             if event.get(key) is not None:
                 out[key] = event[key]
@@ -219,9 +235,14 @@ def sglang_events(event: Event) -> list[dict[str, Any]]:
         parent = to_signed(event.get("parent_block_hash"))
         out = []
         for i, h in enumerate(hashes):
-            ev = {"type": etype, "block_hashes": [h], "parent_block_hash": parent,
-                  "token_ids": tokens[i * size:(i + 1) * size], "block_size": size,
-                  "lora_id": event.get("lora_id")}
+            ev = {
+                "type": etype,
+                "block_hashes": [h],
+                "parent_block_hash": parent,
+                "token_ids": tokens[i * size : (i + 1) * size],
+                "block_size": size,
+                "lora_id": event.get("lora_id"),
+            }
             for key in _SGLANG_STORED_OPTIONAL:
                 if event.get(key) is not None:
                     ev[key] = event[key]
@@ -241,10 +262,14 @@ def seed_event(event: Event) -> dict[str, Any]:
     etype = event["type"]
     if etype == BLOCK_STORED:
         parent = event.get("parent_block_hash")
-        return {"type": etype, "block_hashes": _hashes(event, to_signed),
-                "parent_block_hash": to_signed(parent) if parent is not None else None,
-                "token_ids": event.get("token_ids"), "block_size": event.get("block_size"),
-                "lora_id": event.get("lora_id") or None}
+        return {
+            "type": etype,
+            "block_hashes": _hashes(event, to_signed),
+            "parent_block_hash": to_signed(parent) if parent is not None else None,
+            "token_ids": event.get("token_ids"),
+            "block_size": event.get("block_size"),
+            "lora_id": event.get("lora_id") or None,
+        }
     if etype == BLOCK_REMOVED:
         return {"type": etype, "block_hashes": _hashes(event, to_signed)}
     return {"type": etype}
@@ -278,4 +303,3 @@ def encode_payload(
 
 def encode_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
     return [topic, seq.to_bytes(8, "big"), payload]
-

@@ -63,8 +63,7 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("batch_index", pa.int64(), "message number in the recording; null on Gap rows"),
     ("event_index", pa.int32(), "event number within the batch; null: batch without events"),
     ("recovered", pa.bool_(), "batch fetched from the replay socket to fill a gap (batch)"),
-    ("type", _DSTR, "event type as sent; on kvctl's own rows (event_index null): Malformed, "
-                    "Gap"),
+    ("type", _DSTR, "event type as sent; on kvctl's own rows (event_index null): Malformed, Gap"),
     ("block_hashes", pa.list_(pa.uint64()), "block hashes as unsigned 64-bit"),
     ("block_hashes_bytes", pa.list_(pa.binary()), "block hashes a producer sent as bytes"),
     ("hash_signed", pa.bool_(), "the producer sent signed 64-bit hashes (re-encode as i64)"),
@@ -87,8 +86,10 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("batch_extra", pa.string(), "JSON: batch values no column fits exactly (first row)"),
 ]
 
-SCHEMA = pa.schema([pa.field(n, t) for n, t, _ in COLUMNS],
-                   metadata={b"kvctl.schema_version": str(SCHEMA_VERSION).encode()})
+SCHEMA = pa.schema(
+    [pa.field(n, t) for n, t, _ in COLUMNS],
+    metadata={b"kvctl.schema_version": str(SCHEMA_VERSION).encode()},
+)
 COLUMN_NAMES = [n for n, _, _ in COLUMNS]
 
 # frames_codec values: frames are exactly ``engine_zmq.encode_frames``/the bare payload of
@@ -97,9 +98,21 @@ COLUMN_NAMES = [n for n, _, _ in COLUMNS]
 _CODECS = ("zmq3", "zmq2", "nats3", "nats2")
 
 # Event fields that have a typed column; the rest live in ``extra``.
-_TYPED = frozenset({"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                    "lora_id", "lora_name", "medium", "tokens_hashes", "event_id",
-                    "storage_tier"})
+_TYPED = frozenset(
+    {
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "lora_name",
+        "medium",
+        "tokens_hashes",
+        "event_id",
+        "storage_tier",
+    }
+)
 # Event fields that usually repeat the batch's value (Dynamo puts them on every event).
 _FROM_BATCH = ("worker_id", "dp_rank")
 
@@ -164,7 +177,7 @@ def from_json_value(v: Any) -> Any:
         return [from_json_value(x) for x in v]
     if t is dict:
         if len(v) == 1:
-            (key, x), = v.items()
+            ((key, x),) = v.items()
             if key == "$b":
                 return base64.b64decode(x)
             if key == "$t":
@@ -250,11 +263,9 @@ def _build_payload(ts: Any, events: list[Event], dp_rank: Any, fmt: str, n: int)
 
 
 def _rebuild_frames(codec: str, batch: Batch) -> list[bytes]:
-    payload = _build_payload(batch.ts, batch.events, batch.dp_rank, batch.format,
-                             int(codec[-1]))
+    payload = _build_payload(batch.ts, batch.events, batch.dp_rank, batch.format, int(codec[-1]))
     if codec.startswith("zmq"):
-        return [batch.topic.encode("utf-8", "surrogatepass"), batch.seq.to_bytes(8, "big"),
-                payload]
+        return [batch.topic.encode("utf-8", "surrogatepass"), batch.seq.to_bytes(8, "big"), payload]
     return [payload]
 
 
@@ -289,8 +300,9 @@ def batches_to_record_batch(
         return _deep_ones_malformed(batches, first_batch_index, raw_frames)
 
 
-def _to_record_batch(batches: list[Batch | Gap], first_batch_index: int,
-                     raw_frames: str) -> pa.RecordBatch:
+def _to_record_batch(
+    batches: list[Batch | Gap], first_batch_index: int, raw_frames: str
+) -> pa.RecordBatch:
     cols = _Columns()
     index = first_batch_index
     for batch in batches:
@@ -304,8 +316,9 @@ def _to_record_batch(batches: list[Batch | Gap], first_batch_index: int,
     return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
 
 
-def _deep_ones_malformed(batches: list[Batch | Gap], first_batch_index: int,
-                         raw_frames: str) -> pa.RecordBatch:
+def _deep_ones_malformed(
+    batches: list[Batch | Gap], first_batch_index: int, raw_frames: str
+) -> pa.RecordBatch:
     """The rare slow path: batch by batch, a batch holding a value nested too deep becomes a
     Malformed row that keeps its raw frames (the bytes are the record of what arrived)."""
     parts = []
@@ -315,8 +328,12 @@ def _deep_ones_malformed(batches: list[Batch | Gap], first_batch_index: int,
             parts.append(_to_record_batch([batch], index, raw_frames))
         except (NestingTooDeep, RecursionError):
             assert type(batch) is Batch
-            bad = dataclasses.replace(batch, events=[], error=f"not recorded as events: a value "
-                                      f"nests deeper than {MAX_DEPTH} levels (raw frames kept)")
+            bad = dataclasses.replace(
+                batch,
+                events=[],
+                error=f"not recorded as events: a value "
+                f"nests deeper than {MAX_DEPTH} levels (raw frames kept)",
+            )
             parts.append(_to_record_batch([bad], index, raw_frames))
         if type(batch) is not Gap:
             index += 1
@@ -337,8 +354,9 @@ def _batch_values(batch: Batch | Gap) -> tuple[list[Any], dict[str, Any]]:
     recv = fit("recv_ns", recv_ns, type(recv_ns) is int and -_I63 <= recv_ns < _I63)
     source = fit("source", batch.source, type(batch.source) is str, _display(batch.source))
     publisher = batch.publisher
-    pub = fit("publisher", publisher, publisher is None or type(publisher) is str,
-              _display(publisher))
+    pub = fit(
+        "publisher", publisher, publisher is None or type(publisher) is str, _display(publisher)
+    )
     if type(batch) is Gap:
         return [recv, None, source, None, pub, None, None, None, None], bx
     ts, seq, worker, dp = batch.ts, batch.seq, batch.worker_id, batch.dp_rank
@@ -355,8 +373,17 @@ def _batch_values(batch: Batch | Gap) -> tuple[list[Any], dict[str, Any]]:
     ], bx
 
 
-_BATCH_COLS = ("recv_ns", "ts", "source", "topic", "publisher", "seq", "worker_id", "dp_rank",
-               "format")
+_BATCH_COLS = (
+    "recv_ns",
+    "ts",
+    "source",
+    "topic",
+    "publisher",
+    "seq",
+    "worker_id",
+    "dp_rank",
+    "format",
+)
 
 
 def _add_gap(cols: _Columns, gap: Gap) -> None:
@@ -367,10 +394,15 @@ def _add_gap(cols: _Columns, gap: Gap) -> None:
     from_seq = gap.from_seq
     d["seq"][-1] = from_seq if type(from_seq) is int and 0 <= from_seq < _U64 else None
     extra = {"from_seq": gap.from_seq, "to_seq": gap.to_seq, "missing": gap.missing}
-    row = {"batch_index": None, "event_index": None, "recovered": None, "type": GAP,
-           "extra": _dumps(to_json_value(extra)),
-           "batch_extra": _dumps(bx) if bx else None}
-    for name in COLUMN_NAMES[len(_BATCH_COLS):]:
+    row = {
+        "batch_index": None,
+        "event_index": None,
+        "recovered": None,
+        "type": GAP,
+        "extra": _dumps(to_json_value(extra)),
+        "batch_extra": _dumps(bx) if bx else None,
+    }
+    for name in COLUMN_NAMES[len(_BATCH_COLS) :]:
         d[name].append(row.get(name))
 
 
@@ -453,8 +485,11 @@ def _fill_events(cols: _Columns) -> None:
     pending.clear()
 
 
-def _fill_fast(d: dict[str, list[Any]], fast: list[tuple[int, Event, str]],
-               pending: list[tuple[int, Event, Batch]]) -> list[tuple[int, Event, Batch]]:
+def _fill_fast(
+    d: dict[str, list[Any]],
+    fast: list[tuple[int, Event, str]],
+    pending: list[tuple[int, Event, Batch]],
+) -> list[tuple[int, Event, Batch]]:
     """Fill typed columns for ``fast`` events; return the ones that must take the slow path."""
     evs = [ev for _, ev, _ in fast]
     bad: set[int] = set()
@@ -471,6 +506,7 @@ def _fill_fast(d: dict[str, list[Any]], fast: list[tuple[int, Event, str]],
         def ok(vals: list[Any], bulk: bool) -> bool:
             nums = [v for v in vals if v is not None]
             return not nums or (lo <= min(nums) and max(nums) < hi)
+
         return ok
 
     def int_lists(lo: int, hi: int) -> Any:
@@ -479,6 +515,7 @@ def _fill_fast(d: dict[str, list[Any]], fast: list[tuple[int, Event, str]],
             if not set(map(type, flat)) <= {int}:
                 return False
             return not flat or (lo <= min(flat) and max(flat) < hi)
+
         return ok
 
     def anything(vals: list[Any], bulk: bool) -> bool:
@@ -510,12 +547,26 @@ def _fill_fast(d: dict[str, list[Any]], fast: list[tuple[int, Event, str]],
                 hashes[i] = [x & _MASK for x in h]
             if p is not None:
                 parents[i] = p & _MASK
-    out = [(r, ev, pending_batch) for i, ((r, ev, _), pending_batch)
-           in enumerate(zip(fast, _batches_of(fast, pending), strict=True)) if i in bad]
-    columns = {"type": types, "block_hashes": hashes, "parent_block_hash": parents,
-               "token_ids": tokens, "block_size": block_size, "lora_id": lora_id,
-               "event_id": event_id, "tokens_hashes": th, "hash_signed": signed,
-               "fields": [layout for _, _, layout in fast], **strs}
+    out = [
+        (r, ev, pending_batch)
+        for i, ((r, ev, _), pending_batch) in enumerate(
+            zip(fast, _batches_of(fast, pending), strict=True)
+        )
+        if i in bad
+    ]
+    columns = {
+        "type": types,
+        "block_hashes": hashes,
+        "parent_block_hash": parents,
+        "token_ids": tokens,
+        "block_size": block_size,
+        "lora_id": lora_id,
+        "event_id": event_id,
+        "tokens_hashes": th,
+        "hash_signed": signed,
+        "fields": [layout for _, _, layout in fast],
+        **strs,
+    }
     rows = [r for r, _, _ in fast]
     for name, vals in columns.items():
         col = d[name]
@@ -529,15 +580,27 @@ def _fill_fast(d: dict[str, list[Any]], fast: list[tuple[int, Event, str]],
     return out
 
 
-def _batches_of(fast: list[tuple[int, Event, str]],
-                pending: list[tuple[int, Event, Batch]]) -> list[Batch]:
+def _batches_of(
+    fast: list[tuple[int, Event, str]], pending: list[tuple[int, Event, Batch]]
+) -> list[Batch]:
     by_row = {r: b for r, _, b in pending}
     return [by_row[r] for r, _, _ in fast]
 
 
-_EVENT_COLS = ("block_hashes", "block_hashes_bytes", "parent_block_hash",
-               "parent_block_hash_bytes", "token_ids", "block_size", "lora_id", "lora_name",
-               "medium", "tokens_hashes", "event_id", "storage_tier")
+_EVENT_COLS = (
+    "block_hashes",
+    "block_hashes_bytes",
+    "parent_block_hash",
+    "parent_block_hash_bytes",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "lora_name",
+    "medium",
+    "tokens_hashes",
+    "event_id",
+    "storage_tier",
+)
 _ROW_EVENT_COLS = ("type", *_EVENT_COLS, "hash_signed", "extra", "fields")
 
 
@@ -556,8 +619,9 @@ def _add_raw_event(d: dict[str, list[Any]], ev: Any) -> None:
     d["fields"].append(None)  # null layout: extra is the whole event
 
 
-def _add_event(d: dict[str, list[Any]], layouts: dict[tuple[Any, ...], str], ev: Event,
-               batch: Batch) -> None:
+def _add_event(
+    d: dict[str, list[Any]], layouts: dict[tuple[Any, ...], str], ev: Event, batch: Batch
+) -> None:
     if type(ev) is not dict:
         raise TypeError("event is not a dict")
     extra: dict[str, Any] = {}
@@ -676,8 +740,9 @@ def _int_or_extra(extra: dict[str, Any], name: str, v: Any, lo: int, hi: int) ->
 # --- RecordBatch -> Batch list ------------------------------------------------------------------
 
 
-def record_batch_to_batches(rb: pa.RecordBatch | pa.Table,
-                            include_gaps: bool = False) -> list[Batch | Gap]:
+def record_batch_to_batches(
+    rb: pa.RecordBatch | pa.Table, include_gaps: bool = False
+) -> list[Batch | Gap]:
     """Inverse of :func:`batches_to_record_batch`: rebuild the batches (events and frames).
 
     Rows of one batch must be contiguous and complete in ``rb`` (the readers in
@@ -692,8 +757,10 @@ def columns_to_pylists(rb: pa.RecordBatch | pa.Table) -> dict[str, list[Any]]:
     """Python lists per column (only the columns the reader needs, missing ones as nulls)."""
     n = rb.num_rows
     names = set(rb.schema.names)
-    return {name: (_to_pylist(rb.column(name)) if name in names else [None] * n)
-            for name in COLUMN_NAMES}
+    return {
+        name: (_to_pylist(rb.column(name)) if name in names else [None] * n)
+        for name in COLUMN_NAMES
+    }
 
 
 def _to_pylist(column: pa.Array | pa.ChunkedArray) -> list[Any]:
@@ -718,8 +785,9 @@ def _int_list(ints: pa.Array) -> list[int]:
     return memoryview(data).cast({1: "b", 2: "h", 4: "i", 8: "q"}[width]).tolist()
 
 
-def rows_to_batches(cols: dict[str, list[Any]], start: int, stop: int,
-                    include_gaps: bool = False) -> list[Batch | Gap]:
+def rows_to_batches(
+    cols: dict[str, list[Any]], start: int, stop: int, include_gaps: bool = False
+) -> list[Batch | Gap]:
     out: list[Batch | Gap] = []
     bi = cols["batch_index"]
     layouts: dict[str, list[Any]] = {}
@@ -749,17 +817,29 @@ def _batch_from_row(cols: dict[str, list[Any]], i: int) -> tuple[dict[str, Any],
 def _gap_from_row(cols: dict[str, list[Any]], i: int) -> Gap:
     values, _ = _batch_from_row(cols, i)
     extra = from_json_value(json.loads(cols["extra"][i]))
-    return Gap(publisher=values["publisher"], from_seq=extra["from_seq"],
-               to_seq=extra["to_seq"], recv_ns=values["recv_ns"], source=values["source"])
+    return Gap(
+        publisher=values["publisher"],
+        from_seq=extra["from_seq"],
+        to_seq=extra["to_seq"],
+        recv_ns=values["recv_ns"],
+        source=values["source"],
+    )
 
 
-def _batch_from_rows(cols: dict[str, list[Any]], i: int, j: int,
-                     layouts: dict[str, list[Any]]) -> Batch:
+def _batch_from_rows(
+    cols: dict[str, list[Any]], i: int, j: int, layouts: dict[str, list[Any]]
+) -> Batch:
     values, bx = _batch_from_row(cols, i)
     batch = Batch(
-        source=values["source"], events=[], format=values["format"], topic=values["topic"],
-        seq=values["seq"], ts=values["ts"], recv_ns=values["recv_ns"],
-        worker_id=values["worker_id"], dp_rank=values["dp_rank"],
+        source=values["source"],
+        events=[],
+        format=values["format"],
+        topic=values["topic"],
+        seq=values["seq"],
+        ts=values["ts"],
+        recv_ns=values["recv_ns"],
+        worker_id=values["worker_id"],
+        dp_rank=values["dp_rank"],
         error=bx["error"] if "error" in bx else cols["error"][i],
         recovered=bx["recovered"] if "recovered" in bx else bool(cols["recovered"][i]),
         publisher=values["publisher"],
@@ -774,8 +854,9 @@ def _batch_from_rows(cols: dict[str, list[Any]], i: int, j: int,
     return batch
 
 
-def _event_from_row(cols: dict[str, list[Any]], k: int, batch: Batch,
-                    layouts: dict[str, list[Any]]) -> Event:
+def _event_from_row(
+    cols: dict[str, list[Any]], k: int, batch: Batch, layouts: dict[str, list[Any]]
+) -> Event:
     raw_extra = cols["extra"][k]
     extra = json.loads(raw_extra) if raw_extra is not None else None
     layout_s = cols["fields"][k]

@@ -79,10 +79,24 @@ from .journal import (
 )
 from .journal import Counts as _Counts
 
-__all__ = ["RecordingWriter", "recover", "open_recording", "recording_info", "Gap",
-           "MANIFEST_NAME", "JOURNAL_SUFFIX", "read_journal", "DEFAULT_ZSTD_LEVEL",
-           "ROW_GROUP_ROWS", "NotAJournal", "OutputExists", "NotARecording",
-           "output_conflict", "leftover_journals", "RecorderRunning"]
+__all__ = [
+    "RecordingWriter",
+    "recover",
+    "open_recording",
+    "recording_info",
+    "Gap",
+    "MANIFEST_NAME",
+    "JOURNAL_SUFFIX",
+    "read_journal",
+    "DEFAULT_ZSTD_LEVEL",
+    "ROW_GROUP_ROWS",
+    "NotAJournal",
+    "OutputExists",
+    "NotARecording",
+    "output_conflict",
+    "leftover_journals",
+    "RecorderRunning",
+]
 
 JOURNAL_SUFFIX = ".journal"
 MANIFEST_NAME = "_manifest.json"
@@ -122,12 +136,21 @@ def leftover_journals(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def _is_kvctl_entry(name: str) -> bool:
-    return bool(_SEGMENT_RE.match(name) or _SEGMENT_JOURNAL_RE.match(name)
-                or name == MANIFEST_NAME or name.startswith((".part-", f".{MANIFEST_NAME}")))
+    return bool(
+        _SEGMENT_RE.match(name)
+        or _SEGMENT_JOURNAL_RE.match(name)
+        or name == MANIFEST_NAME
+        or name.startswith((".part-", f".{MANIFEST_NAME}"))
+    )
 
 
-def output_conflict(path: str | os.PathLike[str], segmented: bool, overwrite: bool = False,
-                    append: bool = False, options: bool = True) -> str | None:
+def output_conflict(
+    path: str | os.PathLike[str],
+    segmented: bool,
+    overwrite: bool = False,
+    append: bool = False,
+    options: bool = True,
+) -> str | None:
     """Why recording to ``path`` would destroy or mix in data this run did not write, with
     the remedy; None when it is safe. A recording file is replaced only with ``overwrite``;
     a segment directory must be new or empty, or, with ``append``, hold a kvctl recording
@@ -136,12 +159,16 @@ def output_conflict(path: str | os.PathLike[str], segmented: bool, overwrite: bo
     path = Path(path)
     journals = leftover_journals(path) if path.exists() or _journal_of(path).exists() else []
     if journals:
-        return (f"{journals[0]} is the journal of a recording that was never converted; run "
-                f"`kvctl recover {path}` first (or move it away)")
+        return (
+            f"{journals[0]} is the journal of a recording that was never converted; run "
+            f"`kvctl recover {path}` first (or move it away)"
+        )
     if not segmented:
         if path.is_dir():
-            return (f"{path} is a directory; give a file path (run.parquet), or write "
-                    "segments into a directory with --rotate-size/--rotate-every")
+            return (
+                f"{path} is a directory; give a file path (run.parquet), or write "
+                "segments into a directory with --rotate-size/--rotate-every"
+            )
         if path.exists() and not overwrite:
             how = ", or --overwrite to replace it" if options else " (or remove it first)"
             return f"{path} exists; give a new path{how}"
@@ -225,8 +252,7 @@ class RecordingWriter:
         self.rotate_size = rotate_size
         self.rotate_every = rotate_every
         self.segmented = rotate_size is not None or rotate_every is not None
-        conflict = output_conflict(self.path, self.segmented, overwrite, append,
-                                   options=False)
+        conflict = output_conflict(self.path, self.segmented, overwrite, append, options=False)
         if conflict is not None:
             raise OutputExists(conflict)
         self.overwrite = overwrite and not self.segmented
@@ -236,13 +262,19 @@ class RecordingWriter:
         self.fsync = fsync
         self.compression_level = compression_level
         self.raw_frames = raw_frames
-        self.filters = ({"types": sorted(filters.types), "workers": sorted(filters.workers)}
-                        if filters is not None else None)
+        self.filters = (
+            {"types": sorted(filters.types), "workers": sorted(filters.workers)}
+            if filters is not None
+            else None
+        )
         self.start_ns = time.time_ns()
 
         # keyed as the journal's (redacted) source column is
-        self.labels = ({redact_url(k): to_json_value(list(v)) for k, v in labels.items()}
-                       if labels is not None else None)
+        self.labels = (
+            {redact_url(k): to_json_value(list(v)) for k, v in labels.items()}
+            if labels is not None
+            else None
+        )
         self._fields = message_fields if labels is None else message_fields_unlabelled
         self._buf = RowBuffer(labelled=labels is None)  # what the receive loop appends to
         self._buffered_bytes = 0  # raw frames in self._buf (approximately: see _cut)
@@ -260,10 +292,20 @@ class RecordingWriter:
         self._refusal: Exception | None = None  # set on close or a flush error
         self._closed = False
         self._summary: dict[str, Any] | None = None
-        self.counts = {"batches": 0, "events": 0, "malformed": 0, "gaps": 0, "missing": 0,
-                       "raw_bytes": 0, "parquet_bytes": 0}
-        self.converter_info: dict[str, Any] = {"restarts": 0, "inline_conversions": 0,
-                                               "peak_rss_kb": None}
+        self.counts = {
+            "batches": 0,
+            "events": 0,
+            "malformed": 0,
+            "gaps": 0,
+            "missing": 0,
+            "raw_bytes": 0,
+            "parquet_bytes": 0,
+        }
+        self.converter_info: dict[str, Any] = {
+            "restarts": 0,
+            "inline_conversions": 0,
+            "peak_rss_kb": None,
+        }
 
         if self.segmented:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -281,8 +323,9 @@ class RecordingWriter:
         self._thread: threading.Thread | None = None
         self._inline = not background
         if background:
-            self._thread = threading.Thread(target=self._run, name="kvctl-record-flush",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="kvctl-record-flush", daemon=True
+            )
             self._thread.start()
 
     # -- public API ------------------------------------------------------------------------------
@@ -320,12 +363,23 @@ class RecordingWriter:
         for b in batches:
             self._put(*exact_row(b), len(b.events))
 
-    def write_gap(self, publisher: Any, from_seq: int, to_seq: int,
-                  recv_ns: int | None = None, source: str = "") -> None:
+    def write_gap(
+        self,
+        publisher: Any,
+        from_seq: int,
+        to_seq: int,
+        recv_ns: int | None = None,
+        source: str = "",
+    ) -> None:
         """Record that sequence numbers ``from_seq..to_seq`` (inclusive) of ``publisher``
         never arrived: a row of type ``Gap`` (``extra`` = from_seq, to_seq, missing)."""
-        gap = Gap(publisher=publisher, from_seq=from_seq, to_seq=to_seq,
-                  recv_ns=time.time_ns() if recv_ns is None else recv_ns, source=source)
+        gap = Gap(
+            publisher=publisher,
+            from_seq=from_seq,
+            to_seq=to_seq,
+            recv_ns=time.time_ns() if recv_ns is None else recv_ns,
+            source=source,
+        )
         self._put(*gap_row(gap), 0)
 
     def _put(self, row: tuple, frames: list[bytes], events: int) -> None:
@@ -422,8 +476,12 @@ class RecordingWriter:
         self._refusal = ValueError("write to a closed RecordingWriter")
         with self._io_lock:
             end_ns = time.time_ns()
-            if self._journal is None and not self.segmented and not self._segments \
-                    and not self._open:
+            if (
+                self._journal is None
+                and not self.segmented
+                and not self._segments
+                and not self._open
+            ):
                 self._open_journal()  # nothing written: still leave a valid, empty file
             if self._journal is not None:
                 self._seal(end_ns)
@@ -435,13 +493,19 @@ class RecordingWriter:
                 files = [str(self.path / s["file"]) for s in self._segments]
             else:
                 files = [str(self.path)]
-        summary = {"kvctl_version": __version__, "schema_version": SCHEMA_VERSION,
-                   "path": str(self.path), "files": files, "metadata": self.metadata,
-                   "start_ns": self.start_ns, "end_ns": end_ns, **self.counts,
-                   "converter": dict(self.converter_info)}
+        summary = {
+            "kvctl_version": __version__,
+            "schema_version": SCHEMA_VERSION,
+            "path": str(self.path),
+            "files": files,
+            "metadata": self.metadata,
+            "start_ns": self.start_ns,
+            "end_ns": end_ns,
+            **self.counts,
+            "converter": dict(self.converter_info),
+        }
         summary["bytes"] = summary.pop("parquet_bytes")
-        summary["ratio"] = (summary["bytes"] / summary["raw_bytes"]
-                            if summary["raw_bytes"] else None)
+        summary["ratio"] = summary["bytes"] / summary["raw_bytes"] if summary["raw_bytes"] else None
         self._summary = summary
         return summary
 
@@ -481,8 +545,7 @@ class RecordingWriter:
             self._cut(rotate=True)
 
     def _due(self) -> bool:
-        return bool(len(self._buf)) and \
-            time.monotonic() - self._last_flush >= self.flush_interval
+        return bool(len(self._buf)) and time.monotonic() - self._last_flush >= self.flush_interval
 
     def _run(self) -> None:
         tick = min(0.05, self.flush_interval / 4)
@@ -523,10 +586,16 @@ class RecordingWriter:
 
     def _open_journal(self) -> JournalWriter:
         info: dict[str, Any] = {
-            "kvctl_version": __version__, "schema_version": SCHEMA_VERSION,
-            "journal_format": JOURNAL_FORMAT, "metadata": self.metadata,
-            "start_ns": self.start_ns, "opened_ns": time.time_ns(), "writer_pid": os.getpid(),
-            "first_batch_index": self._next_index, "raw_frames": self.raw_frames}
+            "kvctl_version": __version__,
+            "schema_version": SCHEMA_VERSION,
+            "journal_format": JOURNAL_FORMAT,
+            "metadata": self.metadata,
+            "start_ns": self.start_ns,
+            "opened_ns": time.time_ns(),
+            "writer_pid": os.getpid(),
+            "first_batch_index": self._next_index,
+            "raw_frames": self.raw_frames,
+        }
         if self.filters is not None:
             info["filters"] = self.filters
         if self.labels is not None:
@@ -548,9 +617,15 @@ class RecordingWriter:
         self._journal = JournalWriter(path, info)
         self._open.append(_Segment(self._journal, target))
         if self._converter is not None:
-            self._converter.send({"op": "open", "journal": str(path), "target": str(target),
-                                  "offset": self._journal.offset,
-                                  "overwrite": self.overwrite})
+            self._converter.send(
+                {
+                    "op": "open",
+                    "journal": str(path),
+                    "target": str(target),
+                    "offset": self._journal.offset,
+                    "overwrite": self.overwrite,
+                }
+            )
         return self._journal
 
     def _seal(self, end_ns: int) -> None:
@@ -565,15 +640,20 @@ class RecordingWriter:
         if self.segmented:
             self._segment += 1
         if self._converter is not None:
-            self._converter.send({"op": "seal", "journal": str(journal.path),
-                                  "offset": offset, "info": seg.sealed_info})
+            self._converter.send(
+                {
+                    "op": "seal",
+                    "journal": str(journal.path),
+                    "offset": offset,
+                    "info": seg.sealed_info,
+                }
+            )
 
     # -- the converter process -------------------------------------------------------------------
 
     def _start_converter(self) -> Converter | None:
         try:
-            return Converter({"compression_level": self.compression_level,
-                              "nice": CONVERTER_NICE})
+            return Converter({"compression_level": self.compression_level, "nice": CONVERTER_NICE})
         except OSError:
             return None
 
@@ -599,11 +679,24 @@ class RecordingWriter:
             return
         for seg in self._open:  # start over from the journals: they are the truth
             j = seg.journal
-            new.send({"op": "open", "journal": str(j.path), "target": str(seg.target),
-                      "offset": j.offset, "overwrite": self.overwrite})
+            new.send(
+                {
+                    "op": "open",
+                    "journal": str(j.path),
+                    "target": str(seg.target),
+                    "offset": j.offset,
+                    "overwrite": self.overwrite,
+                }
+            )
             if seg.sealed_info is not None:
-                new.send({"op": "seal", "journal": str(j.path), "offset": j.offset,
-                          "info": seg.sealed_info})
+                new.send(
+                    {
+                        "op": "seal",
+                        "journal": str(j.path),
+                        "offset": j.offset,
+                        "info": seg.sealed_info,
+                    }
+                )
 
     def _handle(self, msgs: list[dict[str, Any]]) -> None:
         for msg in msgs:
@@ -660,38 +753,70 @@ class RecordingWriter:
             meta = _file_metadata(seg.target)  # converted; the converter died before telling
             meta["bytes"] = seg.target.stat().st_size
         else:
-            meta = journal_to_parquet(path, seg.target, info, self.compression_level,
-                                      self.overwrite)
+            meta = journal_to_parquet(
+                path, seg.target, info, self.compression_level, self.overwrite
+            )
             self.converter_info["inline_conversions"] += 1
         self._done(str(path), meta, seg.journal.bytes)
 
     def _write_manifest(self, complete: bool, end_ns: int | None = None) -> None:
-        _write_manifest(self.path, self._segments, self.metadata, complete,
-                        {"start_ns": self.start_ns, "end_ns": end_ns,
-                         "rotate_size": self.rotate_size, "rotate_every": self.rotate_every})
+        _write_manifest(
+            self.path,
+            self._segments,
+            self.metadata,
+            complete,
+            {
+                "start_ns": self.start_ns,
+                "end_ns": end_ns,
+                "rotate_size": self.rotate_size,
+                "rotate_every": self.rotate_every,
+            },
+        )
 
 
 def _segment_entry(meta: dict[str, Any]) -> dict[str, Any]:
-    entry = {k: meta.get(k) for k in ("file", "segment", "bytes", "opened_ns", "closed_ns",
-                                      "window_start_ns", "window_end_ns", "recovered")
-             if meta.get(k) is not None}
+    entry = {
+        k: meta.get(k)
+        for k in (
+            "file",
+            "segment",
+            "bytes",
+            "opened_ns",
+            "closed_ns",
+            "window_start_ns",
+            "window_end_ns",
+            "recovered",
+        )
+        if meta.get(k) is not None
+    }
     entry.update(meta.get("counts", {}))
     return entry
 
 
-def _write_manifest(directory: Path, segments: list[dict[str, Any]], metadata: dict[str, Any],
-                    complete: bool, extra: dict[str, Any]) -> None:
+def _write_manifest(
+    directory: Path,
+    segments: list[dict[str, Any]],
+    metadata: dict[str, Any],
+    complete: bool,
+    extra: dict[str, Any],
+) -> None:
     totals = _Counts()
     for seg in segments:
         c = _Counts()
         for k, v in seg.get("counts", {}).items():
             setattr(c, k, v)
         totals.merge(c)
-    manifest = {"format": "kvctl-recording", "kvctl_version": __version__,
-                "schema_version": SCHEMA_VERSION, "complete": complete, "metadata": metadata,
-                **extra, "counts": totals.as_dict(),
-                "bytes": sum(s.get("bytes", 0) for s in segments),
-                "segments": [_segment_entry(s) for s in segments]}
+    manifest = {
+        "format": "kvctl-recording",
+        "kvctl_version": __version__,
+        "schema_version": SCHEMA_VERSION,
+        "complete": complete,
+        "metadata": metadata,
+        **extra,
+        "counts": totals.as_dict(),
+        "bytes": sum(s.get("bytes", 0) for s in segments),
+        "segments": [_segment_entry(s) for s in segments],
+    }
     tmp = directory / f".{MANIFEST_NAME}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, directory / MANIFEST_NAME)
@@ -700,8 +825,9 @@ def _write_manifest(directory: Path, segments: list[dict[str, Any]], metadata: d
 # --- recover ------------------------------------------------------------------------------------
 
 
-def recover(journal_path: str | os.PathLike[str],
-            output: str | os.PathLike[str] | None = None) -> Path:
+def recover(
+    journal_path: str | os.PathLike[str], output: str | os.PathLike[str] | None = None
+) -> Path:
     """Turn what a crashed recorder left into Parquet; returns the recording's path.
 
     Accepts a journal (``run.parquet.journal``), the recording path whose journal exists
@@ -725,8 +851,9 @@ def recover(journal_path: str | os.PathLike[str],
         path = candidate
     if _SEGMENT_JOURNAL_RE.match(path.name) and output is None:
         return _recover_directory(path.parent)
-    target = Path(output) if output is not None else \
-        path.with_name(path.name[: -len(JOURNAL_SUFFIX)])
+    target = (
+        Path(output) if output is not None else path.with_name(path.name[: -len(JOURNAL_SUFFIX)])
+    )
     _recover_one(path, target, explicit=output is not None)
     return target
 
@@ -735,8 +862,10 @@ def _recover_one(journal: Path, target: Path, explicit: bool = False) -> dict[st
     info = journal_header(journal)
     pid = writer_running(info)
     if pid is not None:
-        raise RecorderRunning(f"{journal} is being written by a running recorder (pid {pid}); "
-                              "stop it instead (Ctrl-C or SIGTERM converts it)")
+        raise RecorderRunning(
+            f"{journal} is being written by a running recorder (pid {pid}); "
+            "stop it instead (Ctrl-C or SIGTERM converts it)"
+        )
     remove_stale_temps(target)
     if target.exists():
         if not explicit and _converted_from(target, journal, info):
@@ -744,8 +873,10 @@ def _recover_one(journal: Path, target: Path, explicit: bool = False) -> dict[st
             journal.unlink()
             return _file_metadata(target)
         hint = "" if explicit else " with -o NEW.parquet"
-        raise OutputExists(f"{target} exists and is not this journal's recording; recover "
-                           f"to a new path{hint} ({journal} is kept)")
+        raise OutputExists(
+            f"{target} exists and is not this journal's recording; recover "
+            f"to a new path{hint} ({journal} is kept)"
+        )
     info.update(recovered=True, recovered_ns=time.time_ns())
     return journal_to_parquet(journal, target, info, overwrite=False)
 
@@ -758,7 +889,9 @@ def _converted_from(target: Path, journal: Path, info: dict[str, Any]) -> bool:
     except (OSError, ValueError):
         return False
     if not meta or (meta.get("start_ns"), meta.get("opened_ns")) != (
-            info.get("start_ns"), info.get("opened_ns")):
+        info.get("start_ns"),
+        info.get("opened_ns"),
+    ):
         return False
     counts = meta.get("counts") or {}
     journalled = sum(rb.num_rows for rb in read_journal(journal))
@@ -768,14 +901,17 @@ def _converted_from(target: Path, journal: Path, info: dict[str, Any]) -> bool:
 def _recover_directory(directory: Path) -> Path:
     names = [e.name for e in directory.iterdir()]
     if not any(_is_kvctl_entry(n) for n in names):
-        raise NotARecording(f"{directory}: no kvctl recording here (no segments, journals or "
-                            "manifest); nothing changed")
+        raise NotARecording(
+            f"{directory}: no kvctl recording here (no segments, journals or "
+            "manifest); nothing changed"
+        )
     old_manifest: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):
         old_manifest = json.loads((directory / MANIFEST_NAME).read_text())
     if not leftover_journals(directory) and old_manifest.get("complete"):
-        raise FileNotFoundError(f"no journal to recover in {directory} (its recording is "
-                                "complete); nothing changed")
+        raise FileNotFoundError(
+            f"no journal to recover in {directory} (its recording is complete); nothing changed"
+        )
     for entry in sorted(directory.iterdir()):  # a live recorder's directory is its own
         if _SEGMENT_JOURNAL_RE.match(entry.name):
             with contextlib.suppress(NotAJournal):
@@ -783,13 +919,14 @@ def _recover_directory(directory: Path) -> Path:
                 if pid is not None:
                     raise RecorderRunning(
                         f"{directory} is being written by a running recorder (pid {pid}); "
-                        "stop it instead (Ctrl-C or SIGTERM converts it); nothing changed")
+                        "stop it instead (Ctrl-C or SIGTERM converts it); nothing changed"
+                    )
     refused: list[str] = []
     for entry in sorted(directory.iterdir()):
         m = _SEGMENT_JOURNAL_RE.match(entry.name)
         if m:
             try:
-                _recover_one(entry, directory / entry.name[1: -len(JOURNAL_SUFFIX)])
+                _recover_one(entry, directory / entry.name[1 : -len(JOURNAL_SUFFIX)])
             except (NotAJournal, OutputExists, RecorderRunning) as exc:
                 refused.append(str(exc))
     for entry in list(directory.glob(".part-*.tmp")):
@@ -810,8 +947,9 @@ def _recover_directory(directory: Path) -> Path:
     extra.update(end_ns=None, recovered=True)
     _write_manifest(directory, segments, old.get("metadata", metadata), not refused, extra)
     if refused:
-        raise OutputExists(refused[0] + (f" (and {len(refused) - 1} more)"
-                                         if len(refused) > 1 else ""))
+        raise OutputExists(
+            refused[0] + (f" (and {len(refused) - 1} more)" if len(refused) > 1 else "")
+        )
     return directory
 
 
@@ -819,8 +957,7 @@ def _recover_directory(directory: Path) -> Path:
 
 
 def _segment_files(directory: Path) -> list[Path]:
-    found = [(int(m.group(1)), e) for e in directory.iterdir()
-             if (m := _SEGMENT_RE.match(e.name))]
+    found = [(int(m.group(1)), e) for e in directory.iterdir() if (m := _SEGMENT_RE.match(e.name))]
     return [e for _, e in sorted(found)]
 
 
@@ -837,8 +974,7 @@ def _sources(path: Path) -> list[tuple[str, Path]]:
             try:
                 journal_header(p)
             except NotAJournal:
-                raise NotARecording(f"{label}not a kvctl recording (not a kvctl journal)") \
-                    from None
+                raise NotARecording(f"{label}not a kvctl recording (not a kvctl journal)") from None
     return found
 
 
@@ -851,8 +987,9 @@ def _type_fits(actual: pa.DataType, expected: pa.DataType) -> bool:
         value = actual.value_type if pa.types.is_dictionary(actual) else actual
         return pa.types.is_string(value) or pa.types.is_large_string(value)
     if pa.types.is_list(expected) or pa.types.is_large_list(expected):
-        return (pa.types.is_list(actual) or pa.types.is_large_list(actual)) and \
-            _type_fits(actual.value_type, expected.value_type)
+        return (pa.types.is_list(actual) or pa.types.is_large_list(actual)) and _type_fits(
+            actual.value_type, expected.value_type
+        )
     if pa.types.is_binary(expected):
         return pa.types.is_large_binary(actual)
     if pa.types.is_string(expected):
@@ -870,14 +1007,18 @@ def _check_parquet(p: Path, label: str) -> None:
     except (ValueError, AttributeError):
         raise NotARecording(f"{label}damaged kvctl metadata (not a JSON object)") from None
     if type(version) is not int or version > SCHEMA_VERSION:
-        raise NotARecording(f"{label}recording schema version {version!r}; this kvctl reads "
-                            f"version {SCHEMA_VERSION} (upgrade kvctl)")
+        raise NotARecording(
+            f"{label}recording schema version {version!r}; this kvctl reads "
+            f"version {SCHEMA_VERSION} (upgrade kvctl)"
+        )
     schema = pf.schema_arrow
     for name, expected in zip(SCHEMA.names, SCHEMA.types, strict=True):
         index = schema.get_field_index(name)
         if index < 0:
-            raise NotARecording(f"{label}column {name} is missing (a kvctl recording of "
-                                f"schema {SCHEMA_VERSION} has it)")
+            raise NotARecording(
+                f"{label}column {name} is missing (a kvctl recording of "
+                f"schema {SCHEMA_VERSION} has it)"
+            )
         actual = schema.field(index).type
         if not _type_fits(actual, expected):
             raise NotARecording(f"{label}column {name} has type {actual}, expected {expected}")
@@ -890,7 +1031,8 @@ def _find_sources(path: Path) -> list[tuple[str, Path]]:
             if m := _SEGMENT_RE.match(e.name):
                 items.append((int(m.group(1)), "parquet", e))
             elif (m := _SEGMENT_JOURNAL_RE.match(e.name)) and not (
-                    path / e.name[1: -len(JOURNAL_SUFFIX)]).exists():
+                path / e.name[1 : -len(JOURNAL_SUFFIX)]
+            ).exists():
                 items.append((int(m.group(1)), "journal", e))
         if not items and not (path / MANIFEST_NAME).exists():
             raise FileNotFoundError(f"no recording in {path} (no segments, no manifest)")
@@ -905,8 +1047,9 @@ def _find_sources(path: Path) -> list[tuple[str, Path]]:
     raise FileNotFoundError(f"no recording at {path}")
 
 
-def _record_batches(path: Path, columns: list[str] | None = None,
-                    batch_size: int = 16 * 1024) -> Iterator[pa.RecordBatch]:
+def _record_batches(
+    path: Path, columns: list[str] | None = None, batch_size: int = 16 * 1024
+) -> Iterator[pa.RecordBatch]:
     for kind, p in _sources(path):
         if kind == "parquet":
             yield from pq.ParquetFile(p).iter_batches(batch_size=batch_size, columns=columns)
@@ -915,8 +1058,9 @@ def _record_batches(path: Path, columns: list[str] | None = None,
                 yield rb.select(columns) if columns else rb
 
 
-def open_recording(path: str | os.PathLike[str], include_gaps: bool = False,
-                   batch_size: int = 16 * 1024) -> Iterator[Batch | Gap]:
+def open_recording(
+    path: str | os.PathLike[str], include_gaps: bool = False, batch_size: int = 16 * 1024
+) -> Iterator[Batch | Gap]:
     """Iterate the batches of a recording (file, segment directory or journal), in recorded
     order, with their events and raw frames. ``include_gaps`` also yields :class:`Gap`.
 
@@ -964,8 +1108,7 @@ def _read_batches(path: Path, include_gaps: bool, batch_size: int) -> Iterator[B
         yield from _joined_batches(held, include_gaps)
 
 
-def _joined_batches(pieces: list[dict[str, list[Any]]],
-                    include_gaps: bool) -> list[Batch | Gap]:
+def _joined_batches(pieces: list[dict[str, list[Any]]], include_gaps: bool) -> list[Batch | Gap]:
     if len(pieces) == 1:
         cols = pieces[0]
     else:
@@ -979,8 +1122,19 @@ def _file_metadata(path: Path) -> dict[str, Any]:
     return json.loads(raw) if raw else {}
 
 
-_INFO_COLUMNS = ["recv_ns", "ts", "publisher", "seq", "worker_id", "type", "batch_index",
-                 "event_index", "error", "raw_size", "extra"]
+_INFO_COLUMNS = [
+    "recv_ns",
+    "ts",
+    "publisher",
+    "seq",
+    "worker_id",
+    "type",
+    "batch_index",
+    "event_index",
+    "error",
+    "raw_size",
+    "extra",
+]
 
 
 def recording_info(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -1037,23 +1191,34 @@ def _recording_info(root: Path) -> dict[str, Any]:
             table = pa.Table.from_batches([firsts.select(["publisher", "seq"])])
             table = table.set_column(0, "publisher", table.column(0).cast(pa.string()))
             agg = table.group_by("publisher").aggregate(
-                [("seq", "min"), ("seq", "max"), ("seq", "count"), ("seq", "count_distinct")])
+                [("seq", "min"), ("seq", "max"), ("seq", "count"), ("seq", "count_distinct")]
+            )
             for row in agg.to_pylist():
                 key = row["publisher"] if row["publisher"] is not None else "null"
-                p = publishers.setdefault(key, {"batches": 0, "min_seq": None,
-                                                "max_seq": None, "distinct_seqs": 0})
+                p = publishers.setdefault(
+                    key, {"batches": 0, "min_seq": None, "max_seq": None, "distinct_seqs": 0}
+                )
                 p["batches"] += row["seq_count"]
                 p["distinct_seqs"] += row["seq_count_distinct"]  # per chunk: an upper bound
                 if row["seq_min"] is not None:
-                    p["min_seq"] = row["seq_min"] if p["min_seq"] is None else min(
-                        p["min_seq"], row["seq_min"])
-                    p["max_seq"] = row["seq_max"] if p["max_seq"] is None else max(
-                        p["max_seq"], row["seq_max"])
+                    p["min_seq"] = (
+                        row["seq_min"]
+                        if p["min_seq"] is None
+                        else min(p["min_seq"], row["seq_min"])
+                    )
+                    p["max_seq"] = (
+                        row["seq_max"]
+                        if p["max_seq"] is None
+                        else max(p["max_seq"], row["seq_max"])
+                    )
         bi = rb.column("batch_index")
         if bi.null_count:
             gap_rows = rb.filter(pc.is_null(bi))
-            for pub, extra in zip(gap_rows.column("publisher").to_pylist(),
-                                  gap_rows.column("extra").to_pylist(), strict=True):
+            for pub, extra in zip(
+                gap_rows.column("publisher").to_pylist(),
+                gap_rows.column("extra").to_pylist(),
+                strict=True,
+            ):
                 g = from_json_value(json.loads(extra)) if extra else {}
                 gaps.append({"publisher": pub, **g})
     raw = counts.raw_bytes

@@ -64,25 +64,45 @@ METADATA_KEY = "kvctl"
 DEFAULT_ZSTD_LEVEL = 6
 ROW_GROUP_ROWS = 64 * 1024
 
-JOURNAL_SCHEMA = pa.schema([
-    ("recv_ns", pa.int64()),
-    ("source", pa.string()),
-    ("topic", pa.string()),  # the NATS subject decode_nats needs; the ZMQ topic for info
-    ("worker_id", pa.string()),  # tagged JSON of the worker label (null: header "labels")
-    ("dp_rank", pa.string()),  # tagged JSON of the dp rank label (null: header "labels")
-    ("recovered", pa.bool_()),
-    ("frames", pa.list_(pa.large_binary())),
-    ("events", pa.int32()),  # events recorded: the first n of what the filters keep
-    ("exact", pa.string()),  # tagged JSON of a batch/gap recorded as is (not re-decoded)
-])
+JOURNAL_SCHEMA = pa.schema(
+    [
+        ("recv_ns", pa.int64()),
+        ("source", pa.string()),
+        ("topic", pa.string()),  # the NATS subject decode_nats needs; the ZMQ topic for info
+        ("worker_id", pa.string()),  # tagged JSON of the worker label (null: header "labels")
+        ("dp_rank", pa.string()),  # tagged JSON of the dp rank label (null: header "labels")
+        ("recovered", pa.bool_()),
+        ("frames", pa.list_(pa.large_binary())),
+        ("events", pa.int32()),  # events recorded: the first n of what the filters keep
+        ("exact", pa.string()),  # tagged JSON of a batch/gap recorded as is (not re-decoded)
+    ]
+)
 _NCOLS = len(JOURNAL_SCHEMA)
 
 # Parquet tuning (bench/record_disk.py): random 64-bit hashes gain nothing from a dictionary,
 # so they go PLAIN (+zstd); monotonic ints delta-encode; token ids (a Zipf-like vocabulary) and
 # all strings use dictionaries. Nested columns are named by their leaf path.
-_DICT = ("source", "topic", "publisher", "worker_id", "dp_rank", "format", "event_index",
-         "recovered", "type", "hash_signed", "token_ids.list.element", "block_size", "lora_id",
-         "lora_name", "medium", "storage_tier", "fields", "error", "frames_codec")
+_DICT = (
+    "source",
+    "topic",
+    "publisher",
+    "worker_id",
+    "dp_rank",
+    "format",
+    "event_index",
+    "recovered",
+    "type",
+    "hash_signed",
+    "token_ids.list.element",
+    "block_size",
+    "lora_id",
+    "lora_name",
+    "medium",
+    "storage_tier",
+    "fields",
+    "error",
+    "frames_codec",
+)
 _DELTA = ("recv_ns", "seq", "batch_index", "event_id")
 
 
@@ -116,18 +136,36 @@ def _text(v: Any) -> str | None:
 def exact_row(batch: Batch) -> tuple[tuple, list[bytes]]:
     """A batch recorded as is: (row, frames); every field but the frames as tagged JSON."""
     source = redact_url(batch.source) if type(batch.source) is str else batch.source
-    fields = {"kind": "batch", "source": source, "events": batch.events,
-              "format": batch.format, "topic": batch.topic, "seq": batch.seq, "ts": batch.ts,
-              "recv_ns": batch.recv_ns, "worker_id": batch.worker_id,
-              "dp_rank": batch.dp_rank, "error": batch.error, "recovered": batch.recovered,
-              "publisher": batch.publisher}
+    fields = {
+        "kind": "batch",
+        "source": source,
+        "events": batch.events,
+        "format": batch.format,
+        "topic": batch.topic,
+        "seq": batch.seq,
+        "ts": batch.ts,
+        "recv_ns": batch.recv_ns,
+        "worker_id": batch.worker_id,
+        "dp_rank": batch.dp_rank,
+        "error": batch.error,
+        "recovered": batch.recovered,
+        "publisher": batch.publisher,
+    }
     try:
         exact = _dumps(to_json_value(fields))
     except NestingTooDeep as exc:  # recorded as what it is: a message kvctl cannot hold
         fields.update(events=[], error=f"not recorded as events: {exc} (raw frames kept)")
         exact = _dumps(to_json_value(fields))
-    row = (_fit_int(batch.recv_ns), _text(source), _text(batch.topic), None, None,
-           batch.recovered is True, None if fields["error"] is None else "error", exact)
+    row = (
+        _fit_int(batch.recv_ns),
+        _text(source),
+        _text(batch.topic),
+        None,
+        None,
+        batch.recovered is True,
+        None if fields["error"] is None else "error",
+        exact,
+    )
     return row, [bytes(f) for f in batch.frames]
 
 
@@ -137,15 +175,30 @@ _GAP_PREFIX = '{"kind":"gap"'
 def gap_row(gap: Gap) -> tuple[tuple, list[bytes]]:
     source = redact_url(gap.source) if type(gap.source) is str else gap.source
     publisher = redact_url(gap.publisher) if type(gap.publisher) is str else gap.publisher
-    fields = {"kind": "gap", "publisher": publisher, "from_seq": gap.from_seq,
-              "to_seq": gap.to_seq, "recv_ns": gap.recv_ns, "source": source}
-    row = (_fit_int(gap.recv_ns), _text(source), None, None, None, None, None,
-           _dumps(to_json_value(fields)))
+    fields = {
+        "kind": "gap",
+        "publisher": publisher,
+        "from_seq": gap.from_seq,
+        "to_seq": gap.to_seq,
+        "recv_ns": gap.recv_ns,
+        "source": source,
+    }
+    row = (
+        _fit_int(gap.recv_ns),
+        _text(source),
+        None,
+        None,
+        None,
+        None,
+        None,
+        _dumps(to_json_value(fields)),
+    )
     return row, []
 
 
-message_fields = attrgetter("recv_ns", "source", "topic", "worker_id", "dp_rank",
-                            "recovered", "error")
+message_fields = attrgetter(
+    "recv_ns", "source", "topic", "worker_id", "dp_rank", "recovered", "error"
+)
 """A raw row's batch fields as a tuple built in C (the frames are copied separately)."""
 message_fields_unlabelled = attrgetter("recv_ns", "source", "topic", "recovered", "error")
 """The same without worker/dp (the journal header maps each source to its labels)."""
@@ -219,15 +272,21 @@ class RowBuffer:
             flat = [bytes(f) for f in flat]
             data = b"".join(flat)
         values = pa.Array.from_buffers(
-            pa.large_binary(), len(flat),
-            [None, pa.py_buffer(array("q", accumulate(map(len, flat), initial=0))),
-             pa.py_buffer(data)])
+            pa.large_binary(),
+            len(flat),
+            [
+                None,
+                pa.py_buffer(array("q", accumulate(map(len, flat), initial=0))),
+                pa.py_buffer(data),
+            ],
+        )
         frames = pa.ListArray.from_arrays(
-            pa.array(array("i", accumulate(map(len, self.frames), initial=0)), pa.int32()),
-            values)
+            pa.array(array("i", accumulate(map(len, self.frames), initial=0)), pa.int32()), values
+        )
         arrays = []
-        for i, name in enumerate(("recv_ns", "source", "topic", "worker_id", "dp_rank",
-                                  "recovered")):
+        for i, name in enumerate(
+            ("recv_ns", "source", "topic", "worker_id", "dp_rank", "recovered")
+        ):
             ftype = JOURNAL_SCHEMA.field(name).type
             col = cols[i]
             if col is None:
@@ -243,8 +302,7 @@ class RowBuffer:
                 arrays.append(pa.array(_sanitize(name, col), type=ftype))
         arrays.append(frames)
         arrays.append(pa.array(self.events, pa.int32()))
-        arrays.append(pa.nulls(n, pa.string()) if exact is None else
-                      pa.array(exact, pa.string()))
+        arrays.append(pa.nulls(n, pa.string()) if exact is None else pa.array(exact, pa.string()))
         chunk = Chunk(pa.RecordBatch.from_arrays(arrays, schema=JOURNAL_SCHEMA))
         chunk.batches = n - len(gaps)
         chunk.events = sum(self.events)
@@ -284,8 +342,12 @@ def _labels(values: tuple) -> list[str]:
 def _sanitize(name: str, values: Any) -> list[Any]:
     """Slow path for values a column refuses (odd types from library callers)."""
     if name in ("source", "topic"):
-        return [None if v is None else str(v).encode("utf-8", "surrogatepass").decode(
-            "utf-8", "replace") for v in values]
+        return [
+            None
+            if v is None
+            else str(v).encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+            for v in values
+        ]
     if name == "recv_ns":
         return [_fit_int(v) for v in values]
     if name == "recovered":
@@ -371,8 +433,7 @@ def journal_header(path: str | os.PathLike[str]) -> dict[str, Any]:
     schema's (format 1)."""
     schema = journal_schema(path)
     if schema is None:
-        raise NotAJournal(f"{path}: not a kvctl journal (not an Arrow IPC stream); left "
-                          "untouched")
+        raise NotAJournal(f"{path}: not a kvctl journal (not an Arrow IPC stream); left untouched")
     raw = (schema.metadata or {}).get(METADATA_KEY.encode())
     try:
         info = json.loads(raw) if raw else None
@@ -402,8 +463,10 @@ class Decoder:
         if spec.get("types") or spec.get("workers"):
             from ..pipeline import Filters
 
-            self.filters = Filters(types=frozenset(spec.get("types") or ()),
-                                   workers=frozenset(spec.get("workers") or ()))
+            self.filters = Filters(
+                types=frozenset(spec.get("types") or ()),
+                workers=frozenset(spec.get("workers") or ()),
+            )
         self.labels = {k: from_json_value(v) for k, v in (info.get("labels") or {}).items()}
         self.mismatches = 0
 
@@ -411,8 +474,9 @@ class Decoder:
         if "event_index" in rb.schema.names:  # a format-1 journal: event rows already
             return rb
         if rb.num_rows > self.SLICE:  # decoded events are big Python objects: a few at once
-            parts = [self.convert(rb.slice(i, self.SLICE))
-                     for i in range(0, rb.num_rows, self.SLICE)]
+            parts = [
+                self.convert(rb.slice(i, self.SLICE)) for i in range(0, rb.num_rows, self.SLICE)
+            ]
             return pa.Table.from_batches(parts, SCHEMA).combine_chunks().to_batches()[0]
         items = self.items(rb)
         out = batches_to_record_batch(items, self.next_index, self.raw_frames)
@@ -420,9 +484,20 @@ class Decoder:
         return out
 
     def items(self, rb: pa.RecordBatch) -> list[Batch | Gap]:
-        d = {name: rb.column(name).to_pylist() for name in
-             ("recv_ns", "source", "topic", "worker_id", "dp_rank", "recovered", "frames",
-              "events", "exact")}
+        d = {
+            name: rb.column(name).to_pylist()
+            for name in (
+                "recv_ns",
+                "source",
+                "topic",
+                "worker_id",
+                "dp_rank",
+                "recovered",
+                "frames",
+                "events",
+                "exact",
+            )
+        }
         out: list[Batch | Gap] = []
         labels: dict[str | None, Any] = {}
         filters = self.filters
@@ -527,9 +602,12 @@ class Counts:
 
     def as_dict(self) -> dict[str, Any]:
         out = {f: getattr(self, f) for f in self.FIELDS}
-        out.update(first_recv_ns=self.first_recv_ns, last_recv_ns=self.last_recv_ns,
-                   first_batch_index=self.first_batch_index,
-                   last_batch_index=self.last_batch_index)
+        out.update(
+            first_recv_ns=self.first_recv_ns,
+            last_recv_ns=self.last_recv_ns,
+            first_batch_index=self.first_batch_index,
+            last_batch_index=self.last_batch_index,
+        )
         return out
 
 
@@ -555,7 +633,7 @@ def remove_stale_temps(target: Path) -> None:
     """Remove temp files of ``target`` left by processes that no longer run."""
     with contextlib.suppress(OSError):
         for entry in target.parent.glob(f".{target.name}.*.tmp"):
-            pid = entry.name[len(target.name) + 2: -4]
+            pid = entry.name[len(target.name) + 2 : -4]
             if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
                 continue
             entry.unlink(missing_ok=True)
@@ -601,8 +679,7 @@ def publish(tmp: Path, target: Path, overwrite: bool) -> None:
         raise OutputExists(f"{target} exists (written by someone else); not replaced") from None
     except OSError:
         if target.exists():
-            raise OutputExists(f"{target} exists (written by someone else); not replaced") \
-                from None
+            raise OutputExists(f"{target} exists (written by someone else); not replaced") from None
         os.rename(tmp, target)
         return
     tmp.unlink()
@@ -641,16 +718,20 @@ class ParquetOutput:
             self.writer.write_table(pa.Table.from_batches(self.pending, SCHEMA))
             self.pending, self.pending_rows = [], 0
 
-    def finish(self, info: dict[str, Any], journal: Path | None,
-               overwrite: bool = False) -> dict[str, Any]:
+    def finish(
+        self, info: dict[str, Any], journal: Path | None, overwrite: bool = False
+    ) -> dict[str, Any]:
         """Complete the file and move it into place; only then remove ``journal``. An
         existing target is replaced only with ``overwrite`` (else :class:`OutputExists`,
         and the journal stays)."""
         try:
             self._write()
             meta = {k: v for k, v in info.items() if k not in _JOURNAL_ONLY}
-            meta.update(kvctl_version=__version__, schema_version=SCHEMA_VERSION,
-                        counts=self.counts.as_dict())
+            meta.update(
+                kvctl_version=__version__,
+                schema_version=SCHEMA_VERSION,
+                counts=self.counts.as_dict(),
+            )
             self.writer.add_key_value_metadata({METADATA_KEY: json.dumps(meta)})
             self.writer.close()
             with open(self.tmp, "rb") as f:
@@ -675,9 +756,13 @@ class ParquetOutput:
         self.tmp.unlink(missing_ok=True)
 
 
-def journal_to_parquet(journal: Path, target: Path, info: dict[str, Any],
-                       compression_level: int = DEFAULT_ZSTD_LEVEL,
-                       overwrite: bool = False) -> dict[str, Any]:
+def journal_to_parquet(
+    journal: Path,
+    target: Path,
+    info: dict[str, Any],
+    compression_level: int = DEFAULT_ZSTD_LEVEL,
+    overwrite: bool = False,
+) -> dict[str, Any]:
     """Convert a whole (possibly torn) journal in this process; returns the file's metadata
     (with counts, and ``mismatches`` if a re-decoded message disagreed with the journal)."""
     decoder = Decoder(journal_metadata(journal) or info)
@@ -787,8 +872,9 @@ def main() -> int:
                         os.nice(int(msg.get("nice", 0)))
                 elif op == "open":
                     assert config is not None
-                    tasks.append(_Task(msg, int(config.get("compression_level",
-                                                           DEFAULT_ZSTD_LEVEL))))
+                    tasks.append(
+                        _Task(msg, int(config.get("compression_level", DEFAULT_ZSTD_LEVEL)))
+                    )
                 elif op == "commit":
                     for t in tasks:
                         if str(t.journal) == msg["journal"]:
@@ -822,13 +908,18 @@ def main() -> int:
                     task.abort()
                     _emit({"op": "failed", "journal": str(task.journal), "error": str(exc)})
                     continue
-                _emit({"op": "done", "journal": str(task.journal), "meta": meta,
-                       "journal_bytes": task.committed})
+                _emit(
+                    {
+                        "op": "done",
+                        "journal": str(task.journal),
+                        "meta": meta,
+                        "journal_bytes": task.committed,
+                    }
+                )
         elif exiting:
             import resource
 
-            _emit({"op": "bye", "peak_rss_kb":
-                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
+            _emit({"op": "bye", "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
             return 0
 
 
@@ -840,13 +931,18 @@ class Converter:
     def __init__(self, config: dict[str, Any]) -> None:
         pkg_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
-        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"]
-                                        if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = pkg_root + (
+            os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+        )
         # The system allocator hands freed row-group buffers back to the OS: flat RSS.
         env.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvctl.transports.journal"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, env=env, start_new_session=True)
+            [sys.executable, "-m", "kvctl.transports.journal"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.out_fd = self.proc.stdin.fileno()
         self.in_fd = self.proc.stdout.fileno()

@@ -88,8 +88,9 @@ def describe(exc: BaseException) -> str:
         return "no answer"
     text = str(exc).removeprefix("nats: ").strip().strip("'") or type(exc).__name__
     if "authorization violation" in text.lower():
-        return ("authorization violation (see --nats-user/--nats-password, --nats-token, "
-                "--nats-creds)")
+        return (
+            "authorization violation (see --nats-user/--nats-password, --nats-token, --nats-creds)"
+        )
     return text[:1].lower() + text[1:]
 
 
@@ -99,8 +100,13 @@ def is_fatal(exc: BaseException) -> bool:
 
     from nats import errors
 
-    names = ("AuthorizationError", "InvalidUserCredentialsError", "SecureConnRequiredError",
-             "SecureConnWantedError", "SecureConnFailedError")  # not all in every nats-py 2.x
+    names = (
+        "AuthorizationError",
+        "InvalidUserCredentialsError",
+        "SecureConnRequiredError",
+        "SecureConnWantedError",
+        "SecureConnFailedError",
+    )  # not all in every nats-py 2.x
     fatal = tuple(getattr(errors, n) for n in names if hasattr(errors, n))
     if isinstance(exc, (*fatal, ssl.SSLError, FileNotFoundError)):
         return True
@@ -111,8 +117,16 @@ def is_fatal(exc: BaseException) -> bool:
 def is_connection_loss(exc: BaseException) -> bool:
     from nats import errors
 
-    return isinstance(exc, (OSError, asyncio.TimeoutError, errors.StaleConnectionError,
-                            errors.ConnectionClosedError, errors.NoServersError))
+    return isinstance(
+        exc,
+        (
+            OSError,
+            asyncio.TimeoutError,
+            errors.StaleConnectionError,
+            errors.ConnectionClosedError,
+            errors.NoServersError,
+        ),
+    )
 
 
 class History:
@@ -155,10 +169,14 @@ class History:
             next_seq[subject] = msg.metadata.sequence.stream + 1
 
         start = next_seq.get(subject)
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL) if start is None else \
-            ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+        config = (
+            ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+            if start is None
+            else ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+        )
         self.subscriptions[subject] = await self.js.subscribe(
-            subject, cb=forward, ordered_consumer=True, config=config)
+            subject, cb=forward, ordered_consumer=True, config=config
+        )
 
     async def resume(self, stop: asyncio.Event) -> None:
         for subject, old in list(self.subscriptions.items()):
@@ -172,8 +190,11 @@ class History:
                     if stop.is_set():
                         return
                     if attempt == self.RETRIES - 1:
-                        self.control(self.push, "error", f"JetStream history of {subject} not "
-                                     f"resumed: {describe(exc)}")
+                        self.control(
+                            self.push,
+                            "error",
+                            f"JetStream history of {subject} not resumed: {describe(exc)}",
+                        )
                     await asyncio.sleep(self.RETRY_S)
 
     async def close(self) -> None:
@@ -299,9 +320,15 @@ class Subscriber:
             if history is not None:  # in a task: this callback runs inside nats-py's reconnect
                 resuming[:] = [asyncio.ensure_future(history.resume(stop))]
 
-        connect = asyncio.ensure_future(nc.connect(
-            servers=[self.server], error_cb=on_error, disconnected_cb=on_disconnected,
-            reconnected_cb=on_reconnected, **self._connect_kwargs()))
+        connect = asyncio.ensure_future(
+            nc.connect(
+                servers=[self.server],
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                **self._connect_kwargs(),
+            )
+        )
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not connect.done():
@@ -348,8 +375,10 @@ class Subscriber:
         kwargs = self.options.connect_kwargs()
         kwargs.update(
             # the caller gives up (--connect-timeout) or not; the client never does
-            max_reconnect_attempts=-1, reconnect_time_wait=self.RECONNECT_WAIT_S,
-            connect_timeout=min(self.options.connect_timeout, 2.0))
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=self.RECONNECT_WAIT_S,
+            connect_timeout=min(self.options.connect_timeout, 2.0),
+        )
         return kwargs
 
     async def _subscribe(self, nc: Any, push: zmq.Socket, jetstream_subjects: set[str]) -> None:
@@ -368,8 +397,10 @@ class Subscriber:
     def _hand_off(self, push: zmq.Socket, subject: bytes, data: bytes) -> bool:
         """Queue a message for the main loop, or drop and count it when the queue is full."""
         size = len(subject) + len(data)
-        if self.pushed_bytes - self.taken_bytes + size > self.queue_bytes and \
-                self.pushed != self.taken_messages:  # one message always fits
+        if (
+            self.pushed_bytes - self.taken_bytes + size > self.queue_bytes
+            and self.pushed != self.taken_messages
+        ):  # one message always fits
             self.dropped += 1
             return False
         push.send_multipart([subject, data], copy=False)
@@ -380,8 +411,11 @@ class Subscriber:
     def _hand_off_waiting(self, push: zmq.Socket, stop: asyncio.Event) -> Any:
         async def hand_off(subject: bytes, data: bytes) -> None:
             size = len(subject) + len(data)
-            while (self.pushed_bytes - self.taken_bytes + size > self.queue_bytes
-                   and self.pushed != self.taken_messages and not stop.is_set()):
+            while (
+                self.pushed_bytes - self.taken_bytes + size > self.queue_bytes
+                and self.pushed != self.taken_messages
+                and not stop.is_set()
+            ):
                 await asyncio.sleep(self.ROOM_WAIT_S)
             push.send_multipart([subject, data], copy=False)
             self.pushed_bytes += size
@@ -436,9 +470,13 @@ class Publisher:
     RETRIES = 10
     """Attempts of one JetStream publish on a live connection (no ack, no responder yet)."""
 
-    def __init__(self, server: str, options: NatsOptions | None = None,
-                 buffer_bytes: int = BUFFER_BYTES,
-                 notify: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        server: str,
+        options: NatsOptions | None = None,
+        buffer_bytes: int = BUFFER_BYTES,
+        notify: Callable[[str], None] | None = None,
+    ) -> None:
         if not server.startswith(("nats://", "tls://")):
             raise UsageError(f"{redact_url(server)}: not a NATS URL (nats://HOST:PORT)")
         self.server = server
@@ -475,14 +513,21 @@ class Publisher:
         self._thread.start()
         if not self._ready.wait(self.options.connect_timeout + 5) or self._error:
             heard = f": {self._connect_errors[0]}" if self._connect_errors else ""
-            raise TransportError(self._error or self._fail(f"no answer from the NATS server"
-                                                           f"{heard}"))
+            raise TransportError(
+                self._error or self._fail(f"no answer from the NATS server{heard}")
+            )
 
     def counts(self) -> dict[str, Any]:
-        return {"published": self.published, "acked": self.acked, "failed": self.failed,
-                "failure": self.failure, "dropped": self.dropped,
-                "drop_reason": self.drop_reason, "outages": self.outages,
-                "outage_s": round(self.outage_s, 3)}
+        return {
+            "published": self.published,
+            "acked": self.acked,
+            "failed": self.failed,
+            "failure": self.failure,
+            "dropped": self.dropped,
+            "drop_reason": self.drop_reason,
+            "outages": self.outages,
+            "outage_s": round(self.outage_s, 3),
+        }
 
     def ensure_stream(self, name: str, subjects: list[str]) -> None:
         """Create (or extend) a JetStream stream, as Dynamo 0.6-0.9 did for its KV events."""
@@ -566,8 +611,10 @@ class Publisher:
             self._connected.clear()
             if self._lost_at is None:
                 self._lost_at = time.monotonic()
-                self._say(f"kvctl: {self.shown}: NATS connection lost; reconnecting, sends wait "
-                          f"(up to {self.buffer_bytes // 2**20} MB queued)")
+                self._say(
+                    f"kvctl: {self.shown}: NATS connection lost; reconnecting, sends wait "
+                    f"(up to {self.buffer_bytes // 2**20} MB queued)"
+                )
 
         async def on_reconnected() -> None:
             if self._lost_at is not None:
@@ -579,10 +626,13 @@ class Publisher:
             self._connected.set()
 
         try:
-            self._nc = await nats.connect(servers=[self.server], error_cb=on_error,
-                                          disconnected_cb=on_disconnected,
-                                          reconnected_cb=on_reconnected,
-                                          **self.options.connect_kwargs())
+            self._nc = await nats.connect(
+                servers=[self.server],
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                **self.options.connect_kwargs(),
+            )
             # the first connection tries as --connect-timeout says (a refused login is an
             # error); once connected, an outage is waited out without limit
             self._nc.options["max_reconnect_attempts"] = -1
@@ -620,8 +670,10 @@ class Publisher:
         while True:
             if not self._connected.is_set() and not await self._wait_connected():
                 self.dropped += 1
-                self.drop_reason = (f"the NATS server was unreachable when the run ended "
-                                    f"(waited {self.END_WAIT_S:g} s)")
+                self.drop_reason = (
+                    f"the NATS server was unreachable when the run ended "
+                    f"(waited {self.END_WAIT_S:g} s)"
+                )
                 return
             try:
                 if jetstream:
@@ -641,10 +693,11 @@ class Publisher:
                     if attempts >= self.RETRIES:
                         self.failed += 1
                         kind = "JetStream publish" if jetstream else "publish"
-                        self.failure = (f"{kind}: {str(exc) or type(exc).__name__} "
-                                        f"({attempts} attempts)")
+                        self.failure = (
+                            f"{kind}: {str(exc) or type(exc).__name__} ({attempts} attempts)"
+                        )
                         return
-                    await asyncio.sleep(min(0.05 * 2 ** attempts, 1.0))
+                    await asyncio.sleep(min(0.05 * 2**attempts, 1.0))
 
     async def _wait_connected(self) -> bool:
         """Wait for the connection to come back: without limit while running, up to

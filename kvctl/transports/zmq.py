@@ -45,8 +45,9 @@ class Subscriber:
     ADAPT_EVERY = 1024  # messages between two estimates
     MESSAGE_OVERHEAD = 320  # bytes libzmq adds per queued message: 3 frames of 64 B, allocations
 
-    def __init__(self, endpoint: str, topic: bytes = b"",
-                 queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
+    def __init__(
+        self, endpoint: str, topic: bytes = b"", queue_bytes: int = DEFAULT_QUEUE_BYTES
+    ) -> None:
         check_endpoint(endpoint)
         self.endpoint = endpoint
         self.queue_bytes = queue_bytes
@@ -129,8 +130,12 @@ class Subscriber:
 
 
 def fetch_replay(
-    endpoint: str, start_seq: int, timeout: float = 2.0, max_batches: int = 1_000_000,
-    first_reply_timeout: float | None = None, stop_seq: int | None = None,
+    endpoint: str,
+    start_seq: int,
+    timeout: float = 2.0,
+    max_batches: int = 1_000_000,
+    first_reply_timeout: float | None = None,
+    stop_seq: int | None = None,
 ) -> tuple[list[tuple[bytes, bytes, bytes]], bool]:
     """Ask a replay ROUTER for every buffered batch with seq >= ``start_seq``.
 
@@ -284,8 +289,11 @@ class Publisher:
                     return
                 except zmq.Again:
                     waited = time.monotonic() - started
-                    if (waited > self.LONG_STALL_S and not self._warned_stall
-                            and self.on_long_stall is not None):
+                    if (
+                        waited > self.LONG_STALL_S
+                        and not self._warned_stall
+                        and self.on_long_stall is not None
+                    ):
                         self._warned_stall = True
                         self.on_long_stall(waited)
         finally:
