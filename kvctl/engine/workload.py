@@ -154,7 +154,7 @@ class SyntheticWorkload:
             else:
                 tokens = prev.tokens + random_tokens(rng, user + out_len)
                 prompt_len = len(prev.tokens) + user
-                inherit = prev.hashes[: len(prev.tokens) // self.block_size]
+                inherit: list[int] | None = prev.hashes[: len(prev.tokens) // self.block_size]
         if session is None:
             k = min(bisect.bisect_left(self._cum, rng.random()), len(self._cum) - 1)
             system = self.system_prompts[k]

@@ -336,9 +336,9 @@ class Subscriber:
             await self._close(nc)
             return
         stopped.cancel()
-        if connect.exception() is not None:
-            exc = connect.exception()
-            self._control(push, "fatal", f"cannot connect to NATS: {describe(exc)}")
+        refused = connect.exception()
+        if refused is not None:
+            self._control(push, "fatal", f"cannot connect to NATS: {describe(refused)}")
             return
         connected = True
         self._control(push, "up", "connected")  # before the first message, never after it
@@ -490,8 +490,10 @@ class Publisher:
         self._ready = threading.Event()
         self._done = threading.Event()
         self._error: str | None = None
-        self._wake: asyncio.Event | None = None
-        self._connected: asyncio.Event | None = None
+        # asyncio events bind to the loop that first waits on them (Python >= 3.10): the
+        # publisher thread's, created later
+        self._wake = asyncio.Event()
+        self._connected = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._disconnecting = False
@@ -531,6 +533,8 @@ class Publisher:
 
     def ensure_stream(self, name: str, subjects: list[str]) -> None:
         """Create (or extend) a JetStream stream, as Dynamo 0.6-0.9 did for its KV events."""
+        if self._loop is None:
+            raise TransportError(f"{self.shown}: the publisher is not started")
         future = asyncio.run_coroutine_threadsafe(self._ensure_stream(name, subjects), self._loop)
         future.result(timeout=self.options.connect_timeout + 5)
         self._raise_if_failed()
@@ -555,7 +559,7 @@ class Publisher:
             self._queue.append((subject, data, jetstream))
             self._queued_bytes += len(data)
             wake = len(self._queue) == 1
-        if wake:
+        if wake and self._loop is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     def _take(self) -> tuple[str, bytes, bool] | None:
@@ -595,8 +599,6 @@ class Publisher:
     async def _main(self) -> None:
         import nats
 
-        self._wake = asyncio.Event()
-        self._connected = asyncio.Event()
         errors = self._connect_errors
         # asyncio logs "returning true from eof_received() has no effect when using ssl" when a
         # TLS server is reached without TLS: the error line says it better, once
