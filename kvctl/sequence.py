@@ -102,10 +102,6 @@ class PublisherSequence:
         self.restarts = 0
         self.ts_backwards = 0
 
-    @property
-    def last_seq(self) -> int | None:
-        return None if self.expected is None else self.expected - 1
-
     def take(self, seq: int) -> bool:
         """Take ``seq`` out of the open gaps; False if it was not missing."""
         gaps = self.open_gaps
