@@ -31,6 +31,7 @@ on it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DecodeError
@@ -41,6 +42,9 @@ from .codec import NATS, ZMQ, Codec, Encoding, NatsEncoding, NatsForm, ZmqEncodi
 __all__ = [
     "CODECS",
     "KNOWN_FIELDS",
+    "REGISTRY",
+    "Registry",
+    "build_registry",
     "codec_named",
     "decode_nats",
     "decode_zmq",
@@ -54,50 +58,54 @@ CODECS: tuple[Codec, ...] = (engine_zmq.CODEC, dynamo.CODEC)
 """Every wire format, in the order ``--help`` lists their ``--format`` names."""
 
 
-def _index() -> tuple[
-    dict[str, Codec],
-    dict[str, Encoding],
-    dict[str, Codec],
-    dict[str, Codec],
-    dict[int, ZmqForm],
-    list[NatsForm | None],
-    dict[str, Codec],
-]:
-    """The lookup tables detection and the commands use, built once; a second claim on any key
-    is a programming error, refused here rather than resolved by order at run time."""
-    by_name: dict[str, Codec] = {}
-    encodings: dict[str, Encoding] = {}
-    by_format: dict[str, Codec] = {}
-    by_shape: dict[str, Codec] = {}
-    zmq_forms: dict[int, ZmqForm] = {}
-    nats_forms: list[NatsForm | None] = [None] * 256
-    by_recipe: dict[str, Codec] = {}
+@dataclass(frozen=True, slots=True)
+class Registry:
+    """The lookup tables detection and the commands use, built once from the codecs."""
+
+    by_name: dict[str, Codec]
+    encodings: dict[str, Encoding]
+    """``--format`` name -> its encoder, in registry order."""
+    by_format: dict[str, Codec]
+    by_shape: dict[str, Codec]
+    zmq_forms: dict[int, ZmqForm]
+    """Frame count -> the ZMQ shape with that many frames."""
+    nats_forms: list[NatsForm | None]
+    """First byte of the data (0-255) -> the NATS shape that starts with it."""
+    by_recipe: dict[str, Codec]
+
+
+def build_registry(codecs: tuple[Codec, ...]) -> Registry:
+    """Index ``codecs``; a second claim on any name, shape, frame count, first byte or recipe is
+    a programming error, refused here rather than resolved by order at run time."""
+    registry = Registry({}, {}, {}, {}, {}, [None] * 256, {})
 
     def claim(table: dict[Any, Any], key: object, value: object, what: str) -> None:
         if key in table:
             raise ValueError(f"two codecs claim the {what} {key!r}")
         table[key] = value
 
-    for codec in CODECS:
-        claim(by_name, codec.name, codec, "name")
+    for codec in codecs:
+        claim(registry.by_name, codec.name, codec, "name")
         for enc in codec.encodings:
-            claim(encodings, enc.name, enc, "--format")
-            by_format[enc.name] = codec
+            claim(registry.encodings, enc.name, enc, "--format")
+            registry.by_format[enc.name] = codec
         for shape in codec.shapes:
-            claim(by_shape, shape, codec, "batch format")
+            claim(registry.by_shape, shape, codec, "batch format")
         for zmq_form in codec.zmq:
-            claim(zmq_forms, zmq_form.frames, zmq_form, "ZMQ frame count")
+            claim(registry.zmq_forms, zmq_form.frames, zmq_form, "ZMQ frame count")
         for nats_form in codec.nats:
             for byte in nats_form.first_bytes:
-                if nats_forms[byte] is not None:
+                if registry.nats_forms[byte] is not None:
                     raise ValueError(f"two codecs claim NATS data starting with {byte:#04x}")
-                nats_forms[byte] = nats_form
+                registry.nats_forms[byte] = nats_form
         for recipe in codec.recipes:
-            claim(by_recipe, recipe, codec, "frames recipe")
-    return by_name, encodings, by_format, by_shape, zmq_forms, nats_forms, by_recipe
+            claim(registry.by_recipe, recipe, codec, "frames recipe")
+    return registry
 
 
-_BY_NAME, _ENCODINGS, _BY_FORMAT, _BY_SHAPE, _ZMQ_FORMS, _NATS_FORMS, _BY_RECIPE = _index()
+REGISTRY = build_registry(CODECS)
+_ZMQ_FORMS = REGISTRY.zmq_forms
+_NATS_FORMS = REGISTRY.nats_forms
 
 KNOWN_FIELDS = frozenset().union(*(codec.known_fields for codec in CODECS))
 """Every event field some producer of some format sends: ``check`` reports any other (KV004)."""
@@ -106,7 +114,9 @@ KNOWN_FIELDS = frozenset().union(*(codec.known_fields for codec in CODECS))
 def codec_named(name: str) -> Codec:
     """The codec called ``name``, or the one that writes ``--format name`` or decodes to the
     batch format ``name`` (``KeyError`` when none does)."""
-    codec = _BY_NAME.get(name) or _BY_FORMAT.get(name) or _BY_SHAPE.get(name)
+    codec = (
+        REGISTRY.by_name.get(name) or REGISTRY.by_format.get(name) or REGISTRY.by_shape.get(name)
+    )
     if codec is None:
         raise KeyError(name)
     return codec
@@ -114,7 +124,7 @@ def codec_named(name: str) -> Codec:
 
 def encoding(name: str) -> Encoding:
     """The encoder behind ``--format name`` (``KeyError`` when no codec writes it)."""
-    return _ENCODINGS[name]
+    return REGISTRY.encodings[name]
 
 
 def format_names(transport: str | None = None) -> tuple[str, ...]:
@@ -122,13 +132,13 @@ def format_names(transport: str | None = None) -> tuple[str, ...]:
     one transport (:data:`~.codec.ZMQ` or :data:`~.codec.NATS`), in registry order."""
     kinds = {ZMQ: ZmqEncoding, NATS: NatsEncoding}
     wanted = kinds[transport] if transport is not None else (ZmqEncoding, NatsEncoding)
-    return tuple(name for name, enc in _ENCODINGS.items() if isinstance(enc, wanted))
+    return tuple(name for name, enc in REGISTRY.encodings.items() if isinstance(enc, wanted))
 
 
 def frames_recipe(batch: Batch) -> str | None:
     """The recipe that rebuilds ``batch.frames`` byte for byte from its decoded values (a
     recording stores its name instead of the frames), or ``None``: keep the frames."""
-    codec = _BY_SHAPE.get(batch.format)
+    codec = REGISTRY.by_shape.get(batch.format)
     if codec is None or codec.frames_recipe is None:
         return None
     return codec.frames_recipe(batch)
@@ -137,7 +147,7 @@ def frames_recipe(batch: Batch) -> str | None:
 def rebuild_frames(recipe: str, batch: Batch) -> list[bytes]:
     """The frames of a batch read back from a recording that stored ``recipe`` (a name
     :func:`frames_recipe` gave) instead of them."""
-    rebuild = _BY_RECIPE[recipe].rebuild_frames
+    rebuild = REGISTRY.by_recipe[recipe].rebuild_frames
     assert rebuild is not None  # a codec that names recipes rebuilds them
     return rebuild(recipe, batch)
 
