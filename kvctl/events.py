@@ -9,7 +9,8 @@ Decoders of other shapes (positional arrays, Dynamo RouterEvents) build the same
 A *batch* is what one transport message carried: metadata plus a list of events.
 Hash values are kept exactly as the producer sent them (signed int, unsigned int or bytes);
 presentation (unsigned / signed / hex / decimal string) is the formatter's job, see
-:func:`present_hash`.
+:func:`present_hash`; an encoder that must write integers converts them by one rule, see
+:func:`unsigned_hash` and :func:`signed_hash`.
 """
 
 from __future__ import annotations
@@ -129,9 +130,10 @@ def present_hash(value: Any, style: str = "unsigned") -> Any:
 def bytes_hash_to_int(value: bytes | bytearray) -> int:
     """The unsigned 64-bit integer of a bytes hash: its last 8 bytes, big-endian.
 
-    vLLM's own rule for its int hashes (``maybe_convert_block_hash`` in
+    vLLM's own rule for its int hashes (vllm-project/vllm, ``maybe_convert_block_hash`` in
     ``vllm/v1/core/kv_cache_utils.py``, applied when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is
-    on, its default): ``int.from_bytes(hash_bytes, byteorder="big") & ((1 << 64) - 1)``,
+    on, its default in ``vllm/envs.py``):
+    ``int.from_bytes(hash_bytes, byteorder="big") & ((1 << 64) - 1)``,
     i.e. the low 64 bits of the big-endian value, which are the last 8 bytes. So a vLLM
     recording with bytes hashes replays to the ids vLLM itself would have sent."""
     return int.from_bytes(value[-8:], "big")

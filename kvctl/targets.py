@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import UsageError
 from .events import U64_MASK, Batch, Event, bytes_hash_to_int
-from .formats import dynamo, encoding, engine_zmq, format_names
+from .formats import dynamo, encoding_named, engine_zmq, format_names
 from .formats.codec import NATS, ZMQ, NatsEncoding, ZmqEncoding
 
 ZMQ_FORMATS = ("raw", *format_names(ZMQ))
@@ -21,13 +21,13 @@ NATS_FORMATS = format_names(NATS)
 
 
 def zmq_encoding(name: str) -> ZmqEncoding:
-    found = encoding(name)
+    found = encoding_named(name)
     assert isinstance(found, ZmqEncoding)  # the targets check the name against ZMQ_FORMATS
     return found
 
 
 def nats_encoding(name: str) -> NatsEncoding:
-    found = encoding(name)
+    found = encoding_named(name)
     assert isinstance(found, NatsEncoding)  # NatsTarget checks the name against NATS_FORMATS
     return found
 

@@ -22,7 +22,7 @@ from kvctl.formats import (
     decode_nats,
     decode_zmq,
     dynamo,
-    encoding,
+    encoding_named,
     engine_zmq,
     format_names,
     frames_recipe,
@@ -84,7 +84,7 @@ def test_check_knows_the_fields_every_codec_declares() -> None:
 
 @pytest.mark.parametrize("name", format_names())
 def test_every_encoding_decodes_back_to_its_codec(name: str) -> None:
-    enc = encoding(name)
+    enc = encoding_named(name)
     codec = codec_named(name)
     if isinstance(enc, ZmqEncoding):
         payload = enc.payload(EVENTS, 5.0, 1, "0.22")

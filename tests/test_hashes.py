@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvctl.events import U64_MASK, bytes_hash_to_int, signed_hash, unsigned_hash
-from kvctl.formats import decode_nats, decode_zmq, encoding, format_names
+from kvctl.formats import decode_nats, decode_zmq, encoding_named, format_names
 from kvctl.formats.codec import NatsEncoding, ZmqEncoding
 from kvctl.formats.dynamo import encode_event_plane
 from kvctl.formats.engine_zmq import encode_frames
@@ -69,7 +69,7 @@ def test_the_last_8_bytes_count_not_the_first() -> None:
 def _decoded_events(name: str, events: list[dict]) -> list[dict]:
     """``events`` as a consumer reads them back from the bytes ``--format name`` writes
     (Dynamo's envelope also through the ZMQ event plane)."""
-    enc = encoding(name)
+    enc = encoding_named(name)
     if isinstance(enc, ZmqEncoding):
         frames = encode_frames(b"", 0, enc.payload(events, 1.0, 0, "0.22"))
         batches = [decode_zmq(frames, "tcp://x")]

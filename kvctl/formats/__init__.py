@@ -4,11 +4,11 @@ Each wire format is one module of this package that declares a :class:`~.codec.C
 name, the ``Batch.format`` shapes it decodes to, how a message of it is recognised (a ZMQ frame
 count, the first bytes of NATS data) and decoded, the ``--format`` names it encodes for and the
 event fields it knows. :data:`CODECS` lists them; everything else is derived from it:
-:func:`decode_zmq` and :func:`decode_nats` (detection, per message, so a source may switch formats
-or mix producers at any time), the ``--format`` choices of ``replay``, ``bridge`` and
-``simulate`` (:func:`format_names`), the targets' encoders (:func:`encoding`), ``check``'s known
-fields (:data:`KNOWN_FIELDS`) and the recipes a recording uses to rebuild frames it did not keep
-(:func:`frames_recipe`, :func:`rebuild_frames`).
+:func:`decode_zmq` and :func:`decode_nats` (detection, per message, so a source may switch
+formats or mix producers at any time), the ``--format`` choices of ``replay``, ``bridge`` and
+``simulate`` (:func:`format_names`), the targets' encoders (:func:`encoding_named`), ``check``'s
+known fields (:data:`KNOWN_FIELDS`) and the recipes a recording uses to rebuild frames it did
+not keep (:func:`frames_recipe`, :func:`rebuild_frames`).
 
 Adding a format:
 
@@ -22,6 +22,10 @@ Adding a format:
    shape, frame count or first byte that another codec already claims.
 3. Add ``tests/test_formats_<name>.py``: real messages of the producer decode to the canonical
    events, and what the encoders write decodes back to the same events.
+
+The ``--format`` choices then list the new names; the sentence of ``--help`` that describes
+each name in words (``kvctl/publishing.py``, ``kvctl/commands/simulate.py``) is prose to extend
+by hand.
 
 Undecodable input never raises: the batch comes back with ``error`` set and the raw frames kept.
 That includes values nested beyond :data:`~kvctl.events.MAX_DEPTH` (the bound the recording
@@ -48,7 +52,7 @@ __all__ = [
     "codec_named",
     "decode_nats",
     "decode_zmq",
-    "encoding",
+    "encoding_named",
     "format_names",
     "frames_recipe",
     "rebuild_frames",
@@ -122,7 +126,7 @@ def codec_named(name: str) -> Codec:
     return codec
 
 
-def encoding(name: str) -> Encoding:
+def encoding_named(name: str) -> Encoding:
     """The encoder behind ``--format name`` (``KeyError`` when no codec writes it)."""
     return REGISTRY.encodings[name]
 
