@@ -4,6 +4,7 @@ block the same id."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import removed, stored
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,7 +13,8 @@ from kvctl.events import U64_MASK, bytes_hash_to_int, signed_hash, unsigned_hash
 from kvctl.formats import decode_nats, decode_zmq, encoding_named, format_names
 from kvctl.formats.codec import NatsEncoding, ZmqEncoding
 from kvctl.formats.dynamo import encode_event_plane
-from kvctl.formats.engine_zmq import encode_frames
+from kvctl.formats.engine_zmq import encode_frames, encode_payload
+from kvctl.targets import ZmqTarget
 
 I63, U64 = 1 << 63, 1 << 64
 hash_bytes = st.binary(min_size=0, max_size=64)
@@ -101,3 +103,16 @@ def test_one_bytes_hash_replays_to_one_id_in_every_format_that_carries_ints() ->
         assert last["type"] == "BlockRemoved"
         assert [unsigned_hash(h) for h in last["block_hashes"]] == [vllm_int_hash(second)], name
     assert {"sglang", "seed", "dynamo", "dynamo-json"} <= set(carrying_ints)
+
+
+@pytest.mark.parametrize("name", ["sglang", "seed"])
+def test_a_zmq_target_sends_the_same_id_for_a_bytes_hash(name: str) -> None:
+    block = bytes(range(32))
+    batch = decode_zmq(encode_frames(b"", 0, encode_payload([stored([block])], 1.0)), "tcp://x")
+    target = ZmqTarget(f"inproc://hash-{name}", name)
+    try:
+        sent = decode_zmq(target.frames(batch, batch.events, 0), "tcp://x")
+    finally:
+        target.close()
+    assert sent.error is None
+    assert [unsigned_hash(h) for h in sent.events[0]["block_hashes"]] == [vllm_int_hash(block)]
