@@ -39,11 +39,10 @@ from .events import (
     ALL_BLOCKS_CLEARED,
     BLOCK_REMOVED,
     BLOCK_STORED,
-    REMOVED_ARRAY_FIELDS,
-    STORED_ARRAY_FIELDS,
     Batch,
     present_hash,
 )
+from .formats import KNOWN_FIELDS  # every field a codec's producers send: KV004 flags the rest
 from .sequence import DUPLICATE, GAP, RECOVERED, REORDER, RESTART, SequenceTracker
 from .state import (
     DUPLICATE_STORE,
@@ -164,28 +163,6 @@ RULES: dict[str, Rule] = {
     )
 }
 
-# Every field a known producer writes (see wire-formats.md), so KV004 only fires on the rest.
-KNOWN_FIELDS = frozenset(
-    {
-        "type",
-        *STORED_ARRAY_FIELDS,
-        *REMOVED_ARRAY_FIELDS,
-        "locality",
-        "ownership",
-        "session_id",
-        "lookahead_token_ids",  # vLLM optional
-        "cache_salt",  # SGLang
-        # Dynamo RouterEvent fields kept on the event by formats.dynamo
-        "worker_id",
-        "dp_rank",
-        "event_id",
-        "tokens_hashes",
-        "mm_extra_info",
-        "storage_tier",
-        "residency_domain",
-        "start_position",
-    }
-)
 _EVENT_TYPES = (BLOCK_STORED, BLOCK_REMOVED, ALL_BLOCKS_CLEARED)
 _I64_MIN, _I63, _U64_LIMIT = -(1 << 63), 1 << 63, 1 << 64
 

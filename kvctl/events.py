@@ -9,7 +9,8 @@ Decoders of other shapes (positional arrays, Dynamo RouterEvents) build the same
 A *batch* is what one transport message carried: metadata plus a list of events.
 Hash values are kept exactly as the producer sent them (signed int, unsigned int or bytes);
 presentation (unsigned / signed / hex / decimal string) is the formatter's job, see
-:func:`present_hash`.
+:func:`present_hash`; an encoder that must write integers converts them by one rule, see
+:func:`unsigned_hash` and :func:`signed_hash`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ CORE_EVENT_FIELDS = (
 )
 
 U64_MASK = (1 << 64) - 1
+_I63 = 1 << 63
+_U64_LIMIT = 1 << 64
 
 MAX_DEPTH = 64
 """How deep containers may nest in one batch, counted from the batch ``[ts, events, dp_rank]``
@@ -114,6 +117,46 @@ def present_hash(value: Any, style: str = "unsigned") -> Any:
         return f"{value & U64_MASK:016x}"
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).hex()
+    return value
+
+
+# --- hash values ------------------------------------------------------------------------------
+# Producers send a block hash as a signed i64 (SGLang, seed), an unsigned u64 (vLLM, Dynamo) or
+# raw bytes (vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: the 32-byte SHA-256). An encoder
+# whose format carries integers turns every one of them into the same 64 bits, so that one
+# block keeps one id whichever format it is replayed in.
+
+
+def bytes_hash_to_int(value: bytes | bytearray) -> int:
+    """The unsigned 64-bit integer of a bytes hash: its last 8 bytes, big-endian.
+
+    vLLM's own rule for its int hashes (vllm-project/vllm, ``maybe_convert_block_hash`` in
+    ``vllm/v1/core/kv_cache_utils.py``, applied when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is
+    on, its default in ``vllm/envs.py``):
+    ``int.from_bytes(hash_bytes, byteorder="big") & ((1 << 64) - 1)``,
+    i.e. the low 64 bits of the big-endian value, which are the last 8 bytes. So a vLLM
+    recording with bytes hashes replays to the ids vLLM itself would have sent."""
+    return int.from_bytes(value[-8:], "big")
+
+
+def unsigned_hash(value: Any) -> Any:
+    """A hash as an unsigned 64-bit integer (vLLM's and Dynamo's view): bytes by
+    :func:`bytes_hash_to_int`, a negative i64 by two's complement. Anything else (an int outside
+    64 bits, a value that is no hash) is returned as it is, for ``check`` to flag."""
+    if type(value) is int:
+        return value + _U64_LIMIT if -_I63 <= value < 0 else value
+    if isinstance(value, (bytes, bytearray)):
+        return bytes_hash_to_int(value)
+    return value
+
+
+def signed_hash(value: Any) -> Any:
+    """A hash as a signed 64-bit integer (SGLang's i64 view): the two's complement of
+    :func:`unsigned_hash`, so both views are the same 64 bits. Anything that is no 64-bit hash
+    is returned as :func:`unsigned_hash` gives it."""
+    value = unsigned_hash(value)
+    if type(value) is int and _I63 <= value < _U64_LIMIT:
+        return value - _U64_LIMIT
     return value
 
 

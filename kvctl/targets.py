@@ -1,6 +1,7 @@
 """Where replay, bridge and simulate send batches: engine-style ZMQ publishers or Dynamo on
 NATS, in any producer's format. Encoding happens here, through the pure codecs; the transports
-only move the bytes."""
+only move the bytes. Which formats exist, and their encoders, come from the codec registry
+(:mod:`kvctl.formats`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,25 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import UsageError
-from .events import Batch, Event
-from .formats import dynamo, engine_zmq
+from .events import U64_MASK, Batch, Event, bytes_hash_to_int
+from .formats import dynamo, encoding_named, engine_zmq, format_names
+from .formats.codec import NATS, ZMQ, NatsEncoding, ZmqEncoding
 
-ZMQ_FORMATS = ("raw", *engine_zmq.ENGINE_ENCODINGS)
-NATS_FORMATS = ("dynamo", "dynamo-json")
+ZMQ_FORMATS = ("raw", *format_names(ZMQ))
+"""``--format`` names a ZMQ target sends: the recorded bytes (``raw``) or a codec's encoding."""
+NATS_FORMATS = format_names(NATS)
+
+
+def zmq_encoding(name: str) -> ZmqEncoding:
+    found = encoding_named(name)
+    assert isinstance(found, ZmqEncoding)  # the targets check the name against ZMQ_FORMATS
+    return found
+
+
+def nats_encoding(name: str) -> NatsEncoding:
+    found = encoding_named(name)
+    assert isinstance(found, NatsEncoding)  # NatsTarget checks the name against NATS_FORMATS
+    return found
 
 
 def subject_token(name: str) -> str:
@@ -148,9 +163,7 @@ class ZmqTarget:
                 f" {len(batch.frames)} frames has no recorded payload to send"
             )
         ts = batch.ts if batch.ts is not None else time.time()
-        payload = engine_zmq.encode_payload(
-            events, ts, batch.dp_rank, self.encoding, self.array_layout
-        )
+        payload = zmq_encoding(self.encoding).payload(events, ts, batch.dp_rank, self.array_layout)
         return [topic, seq.to_bytes(8, "big"), payload]
 
     def write(self, batch: Batch, events: list[Event], slot: int | None = None) -> int:
@@ -246,8 +259,9 @@ class NatsTarget:
         subjects = dynamo_subjects(namespace, component, endpoint)
         self.subject = subject or url_subject or subjects[encoding]
         self.encoding = encoding
+        self.encoder = nats_encoding(encoding)
         self.publisher = Publisher(f"{scheme}://{host}", options, notify=notify)
-        self.jetstream = encoding == "dynamo-json"
+        self.jetstream = self.encoder.jetstream
         self.stream = subjects["stream"] if self.jetstream else None
         if self.stream:
             self.publisher.ensure_stream(self.stream, [self.subject])
@@ -270,23 +284,13 @@ class NatsTarget:
         dp_rank = batch.dp_rank or 0
         first_id = self.event_ids.get(worker, 0)
         self.event_ids[worker] = first_id + len(events)
-        era = "1.6" if self.encoding == "dynamo" else "0.9"
-        maps = [
-            dynamo.router_event(e, worker, first_id + i, dp_rank, era) for i, e in enumerate(events)
-        ]
+        seq = self.sequences.get(worker, 0)
+        self.sequences[worker] = seq + 1
+        published = int((batch.ts if batch.ts is not None else time.time()) * 1000)
         size = 0
-        if self.encoding == "dynamo":
-            seq = self.sequences.get(worker, 0)
-            self.sequences[worker] = seq + 1
-            published = int((batch.ts if batch.ts is not None else time.time()) * 1000)
-            data = dynamo.encode_envelope(maps, worker, seq, published)
-            self.publisher.publish(self.subject, data)
-            size = len(data)
-        else:
-            for m in maps:
-                data = dynamo.encode_json(m)
-                self.publisher.publish(self.subject, data, jetstream=True)
-                size += len(data)
+        for data in self.encoder.messages(events, worker, first_id, dp_rank, seq, published):
+            self.publisher.publish(self.subject, data, jetstream=self.jetstream)
+            size += len(data)
         self.bytes_sent += size
         return size
 
@@ -328,10 +332,10 @@ class RecordingTarget:
         from .transports.files import RecordingWriter
 
         encoding = encoding or "vllm"
-        if encoding not in engine_zmq.ENGINE_ENCODINGS:
+        if encoding not in format_names(ZMQ):
             raise UsageError(
                 f"--format {encoding} cannot be recorded directly; choose one of "
-                f"{', '.join(engine_zmq.ENGINE_ENCODINGS)}"
+                f"{', '.join(format_names(ZMQ))}"
             )
         self.encoding = encoding
         self.array_layout = array_layout
@@ -342,8 +346,8 @@ class RecordingTarget:
     def write(self, batch: Batch, events: list[Event], slot: int = 0) -> int:
         seq = self.seqs.get(slot, 0)
         self.seqs[slot] = seq + 1
-        payload = engine_zmq.encode_payload(
-            events, batch.ts, batch.dp_rank, self.encoding, self.array_layout
+        payload = zmq_encoding(self.encoding).payload(
+            events, batch.ts, batch.dp_rank, self.array_layout
         )
         batch.frames = engine_zmq.encode_frames(b"", seq, payload)
         batch.seq = seq
@@ -405,9 +409,9 @@ def salt_hashes(event: Event, salt: int) -> Event:
 
     def mix(h: Any) -> Any:
         if isinstance(h, int):
-            return (h & 0xFFFF_FFFF_FFFF_FFFF) ^ salt
-        if isinstance(h, (bytes, bytearray)):
-            tail = (int.from_bytes(h[-8:], "big") ^ salt).to_bytes(8, "big")
+            return (h & U64_MASK) ^ salt
+        if isinstance(h, (bytes, bytearray)):  # its integer (the bytes-hash rule) is salted
+            tail = (bytes_hash_to_int(h) ^ salt).to_bytes(8, "big")
             return bytes(h[:-8]) + tail
         return h
 

@@ -9,8 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvctl.events import MAX_DEPTH, STORED_ARRAY_FIELDS, TYPED_FIELDS
-from kvctl.formats import decode_nats, decode_zmq, worker_from_topic
-from kvctl.formats.engine_zmq import ARRAY_LAYOUTS, encode_frames, encode_payload
+from kvctl.formats import decode_nats, decode_zmq
+from kvctl.formats.engine_zmq import (
+    ARRAY_LAYOUTS,
+    encode_frames,
+    encode_payload,
+    worker_from_topic,
+)
 
 TOKENS = list(range(32))
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from ..formats import format_names
 from ..help import KvctlCommand
 from ..options import nats_auth_options, nats_options, report_options
 from ..text import plural
@@ -122,7 +123,7 @@ from ..text import plural
 @click.option(
     "--format",
     "encoding",
-    type=click.Choice(["vllm", "vllm-array", "sglang", "seed", "dynamo", "dynamo-json"]),
+    type=click.Choice(format_names()),
     help="Wire format: vllm (default on ZMQ), vllm-array, sglang, seed; dynamo "
     "(default on NATS) or dynamo-json.",
 )

@@ -1,6 +1,32 @@
-"""Format detection: one transport message in, one :class:`~kvctl.events.Batch` out.
+"""The codec registry: every wire format kvctl reads and writes, and detection built from it.
 
-Detection is per message, so a source may switch formats (or mix producers) at any time.
+Each wire format is one module of this package that declares a :class:`~.codec.Codec`: its
+name, the ``Batch.format`` shapes it decodes to, how a message of it is recognised (a ZMQ frame
+count, the first bytes of NATS data) and decoded, the ``--format`` names it encodes for and the
+event fields it knows. :data:`CODECS` lists them; everything else is derived from it:
+:func:`decode_zmq` and :func:`decode_nats` (detection, per message, so a source may switch
+formats or mix producers at any time), the ``--format`` choices of ``replay``, ``bridge`` and
+``simulate`` (:func:`format_names`), the targets' encoders (:func:`encoding_named`), ``check``'s
+known fields (:data:`KNOWN_FIELDS`) and the recipes a recording uses to rebuild frames it did
+not keep (:func:`frames_recipe`, :func:`rebuild_frames`).
+
+Adding a format:
+
+1. Write ``kvctl/formats/<name>.py``: pure functions (bytes in, events out, and back) and a
+   ``CODEC = Codec(...)`` naming them. A decoder fills the :class:`~kvctl.events.Batch` it is
+   handed (events, ``format``, seq, ts, worker...) and raises :class:`~kvctl.errors.DecodeError`
+   on a message it cannot read; an encoder is a :class:`~.codec.ZmqEncoding` (events -> the
+   payload of ``[topic, seq, payload]``) or a :class:`~.codec.NatsEncoding` (events -> NATS
+   messages).
+2. Add the codec to :data:`CODECS`. The registry refuses, at import, a name, ``--format``,
+   shape, frame count or first byte that another codec already claims.
+3. Add ``tests/test_formats_<name>.py``: real messages of the producer decode to the canonical
+   events, and what the encoders write decodes back to the same events.
+
+The ``--format`` choices then list the new names; the sentence of ``--help`` that describes
+each name in words (``kvctl/publishing.py``, ``kvctl/commands/simulate.py``) is prose to extend
+by hand.
+
 Undecodable input never raises: the batch comes back with ``error`` set and the raw frames kept.
 That includes values nested beyond :data:`~kvctl.events.MAX_DEPTH` (the bound the recording
 layer applies too), and every publisher key a decoder sets is hashable (sequence tracking keys
@@ -9,20 +35,146 @@ on it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from ..errors import DecodeError
 from ..events import MAX_DEPTH, Batch
 from . import dynamo, engine_zmq
+from .codec import NATS, ZMQ, Codec, Encoding, NatsEncoding, NatsForm, ZmqEncoding, ZmqForm
 
-__all__ = ["decode_zmq", "decode_nats", "worker_from_topic"]
+__all__ = [
+    "CODECS",
+    "KNOWN_FIELDS",
+    "REGISTRY",
+    "Registry",
+    "build_registry",
+    "codec_named",
+    "decode_nats",
+    "decode_zmq",
+    "encoding_named",
+    "format_names",
+    "frames_recipe",
+    "rebuild_frames",
+]
+
+CODECS: tuple[Codec, ...] = (engine_zmq.CODEC, dynamo.CODEC)
+"""Every wire format, in the order ``--help`` lists their ``--format`` names."""
 
 
-def worker_from_topic(topic: str) -> str | None:
-    """llm-d publishes on ``kv@<pod-id>@<model-name>``: the pod is the worker."""
-    if topic.startswith("kv@"):
-        parts = topic.split("@", 2)
-        if len(parts) == 3 and parts[1]:
-            return parts[1]
-    return None
+@dataclass(frozen=True, slots=True)
+class Registry:
+    """The lookup tables detection and the commands use, built once from the codecs."""
+
+    by_name: dict[str, Codec]
+    encodings: dict[str, Encoding]
+    """``--format`` name -> its encoder, in registry order."""
+    by_format: dict[str, Codec]
+    by_shape: dict[str, Codec]
+    zmq_forms: dict[int, ZmqForm]
+    """Frame count -> the ZMQ shape with that many frames."""
+    nats_forms: list[NatsForm | None]
+    """First byte of the data (0-255) -> the NATS shape that starts with it."""
+    by_recipe: dict[str, Codec]
+
+
+def build_registry(codecs: tuple[Codec, ...]) -> Registry:
+    """Index ``codecs``; a second claim on any name, shape, frame count, first byte or recipe is
+    a programming error, refused here rather than resolved by order at run time."""
+    registry = Registry({}, {}, {}, {}, {}, [None] * 256, {})
+
+    def claim(table: dict[Any, Any], key: object, value: object, what: str) -> None:
+        if key in table:
+            raise ValueError(f"two codecs claim the {what} {key!r}")
+        table[key] = value
+
+    for codec in codecs:
+        claim(registry.by_name, codec.name, codec, "name")
+        for enc in codec.encodings:
+            claim(registry.encodings, enc.name, enc, "--format")
+            registry.by_format[enc.name] = codec
+        for shape in codec.shapes:
+            claim(registry.by_shape, shape, codec, "batch format")
+        for zmq_form in codec.zmq:
+            claim(registry.zmq_forms, zmq_form.frames, zmq_form, "ZMQ frame count")
+        for nats_form in codec.nats:
+            for byte in nats_form.first_bytes:
+                if registry.nats_forms[byte] is not None:
+                    raise ValueError(f"two codecs claim NATS data starting with {byte:#04x}")
+                registry.nats_forms[byte] = nats_form
+        for recipe in codec.recipes:
+            claim(registry.by_recipe, recipe, codec, "frames recipe")
+    return registry
+
+
+REGISTRY = build_registry(CODECS)
+_ZMQ_FORMS = REGISTRY.zmq_forms
+_NATS_FORMS = REGISTRY.nats_forms
+
+KNOWN_FIELDS = frozenset().union(*(codec.known_fields for codec in CODECS))
+"""Every event field some producer of some format sends: ``check`` reports any other (KV004)."""
+
+
+def codec_named(name: str) -> Codec:
+    """The codec called ``name``, or the one that writes ``--format name`` or decodes to the
+    batch format ``name`` (``KeyError`` when none does)."""
+    codec = (
+        REGISTRY.by_name.get(name) or REGISTRY.by_format.get(name) or REGISTRY.by_shape.get(name)
+    )
+    if codec is None:
+        raise KeyError(name)
+    return codec
+
+
+def encoding_named(name: str) -> Encoding:
+    """The encoder behind ``--format name`` (``KeyError`` when no codec writes it)."""
+    return REGISTRY.encodings[name]
+
+
+def format_names(transport: str | None = None) -> tuple[str, ...]:
+    """The ``--format`` names the codecs write (for click choices), all of them or those of
+    one transport (:data:`~.codec.ZMQ` or :data:`~.codec.NATS`), in registry order."""
+    kinds = {ZMQ: ZmqEncoding, NATS: NatsEncoding}
+    wanted = kinds[transport] if transport is not None else (ZmqEncoding, NatsEncoding)
+    return tuple(name for name, enc in REGISTRY.encodings.items() if isinstance(enc, wanted))
+
+
+def frames_recipe(batch: Batch) -> str | None:
+    """The recipe that rebuilds ``batch.frames`` byte for byte from its decoded values (a
+    recording stores its name instead of the frames), or ``None``: keep the frames."""
+    codec = REGISTRY.by_shape.get(batch.format)
+    if codec is None or codec.frames_recipe is None:
+        return None
+    return codec.frames_recipe(batch)
+
+
+def rebuild_frames(recipe: str, batch: Batch) -> list[bytes]:
+    """The frames of a batch read back from a recording that stored ``recipe`` (a name
+    :func:`frames_recipe` gave) instead of them."""
+    rebuild = REGISTRY.by_recipe[recipe].rebuild_frames
+    assert rebuild is not None  # a codec that names recipes rebuilds them
+    return rebuild(recipe, batch)
+
+
+_ZMQ_EXPECTED = " or ".join(_ZMQ_FORMS[n].expected for n in sorted(_ZMQ_FORMS))
+
+
+def _nats_expected() -> str:
+    """``neither A, B nor C``: the NATS shapes in the order of their first bytes."""
+    forms = {id(f): f for f in _NATS_FORMS if f is not None}.values()
+    whats = [f.what for f in sorted(forms, key=lambda f: min(f.first_bytes))]
+    if len(whats) == 1:
+        return f"not {whats[0]}"
+    return f"neither {', '.join(whats[:-1])} nor {whats[-1]}"
+
+
+_NATS_EXPECTED = _nats_expected()
+
+# The engine codec's 3-frame batch is what nearly every message is: decode_zmq decodes it
+# inline, with these bound once, and asks the registry only about any other message.
+_decode_engine_payload = engine_zmq.decode_payload
+_parse_seq = engine_zmq.parse_seq
+_worker_from_topic = engine_zmq.worker_from_topic
 
 
 def decode_zmq(
@@ -32,18 +184,19 @@ def decode_zmq(
     worker_id: object = None,
     dp_rank: int | None = None,
 ) -> Batch:
-    """Decode a ZMQ message: an engine batch (3 frames) or a Dynamo event-plane message (4)."""
+    """Decode a ZMQ message: the codec that claims its frame count decodes it (an engine batch:
+    3 frames, a Dynamo event-plane message: 4)."""
     if len(frames) == 3:  # the hot path: a well-formed engine batch, built in one go
         topic_frame, seq_frame, payload = frames
         try:
-            ts, events, payload_dp, shape = engine_zmq.decode_payload(payload)
-            seq = engine_zmq.parse_seq(seq_frame)
+            ts, events, payload_dp, shape = _decode_engine_payload(payload)
+            seq = _parse_seq(seq_frame)
         except DecodeError:
             pass  # the slow path below builds the error batch
         else:
             topic = topic_frame.decode("utf-8", "replace") if topic_frame else ""
             if worker_id is None and topic:
-                worker_id = worker_from_topic(topic)
+                worker_id = _worker_from_topic(topic)
             return Batch(
                 source,
                 events,
@@ -69,27 +222,11 @@ def decode_zmq(
         frames=frames,
         publisher=source,
     )
+    form = _ZMQ_FORMS.get(len(frames))
     try:
-        if len(frames) == 3:
-            topic = frames[0].decode("utf-8", "replace")
-            batch.topic = topic
-            batch.seq = engine_zmq.parse_seq(frames[1])
-            batch.ts, batch.events, payload_dp, batch.format = engine_zmq.decode_payload(frames[2])
-            if payload_dp is not None:
-                batch.dp_rank = payload_dp
-            if worker_id is None:
-                batch.worker_id = worker_from_topic(topic)
-        elif len(frames) == 4:  # the event plane, whatever the topic (broker: the subject)
-            batch.topic = frames[0].decode("utf-8", "replace")
-            publisher_id, sequence, envelope = dynamo.unwrap_event_plane(frames)
-            _fill_from_envelope(batch, envelope)
-            batch.format = dynamo.EVENT_PLANE_FORM
-            batch.publisher = (source, publisher_id)
-            batch.seq = sequence
-        else:
-            raise DecodeError(
-                f"{len(frames)} frames, expected 3 [topic, seq, payload] or 4 (Dynamo event plane)"
-            )
+        if form is None:
+            raise DecodeError(f"{len(frames)} frames, expected {_ZMQ_EXPECTED}")
+        form.decode(batch, frames)
     except DecodeError as exc:
         batch.error = str(exc)
         batch.events = []
@@ -100,8 +237,8 @@ def decode_zmq(
 
 
 def decode_nats(subject: str, data: bytes, source: str, recv_ns: int = 0) -> Batch:
-    """Decode a NATS message: Dynamo JSON RouterEvent, Dynamo >= 1.0 envelope, or an engine
-    batch payload relayed as is."""
+    """Decode a NATS message: the codec that claims its first byte decodes it (Dynamo JSON
+    RouterEvents, a Dynamo >= 1.0 envelope, or an engine batch payload relayed as is)."""
     batch = Batch(
         source=source,
         events=[],
@@ -111,18 +248,11 @@ def decode_nats(subject: str, data: bytes, source: str, recv_ns: int = 0) -> Bat
         frames=[data],
         publisher=(source, subject),
     )
+    form = _NATS_FORMS[data[0]] if data else None
     try:
-        first = data[:1]
-        if first in (b"{", b"[", b" ", b"\n", b"\t", b"\r"):
-            batch.events = dynamo.decode_json(data)
-            batch.format = dynamo.JSON_FORM
-            _worker_from_events(batch)
-        elif first and (0x80 <= first[0] <= 0x8F or first[0] in (0xDE, 0xDF)):
-            _fill_from_envelope(batch, data)
-        elif first and (0x90 <= first[0] <= 0x9F or first[0] in (0xDC, 0xDD)):
-            batch.ts, batch.events, batch.dp_rank, batch.format = engine_zmq.decode_payload(data)
-        else:
-            raise DecodeError("neither JSON, a Dynamo envelope nor an engine batch")
+        if form is None:
+            raise DecodeError(_NATS_EXPECTED)
+        form.decode(batch, data)
     except DecodeError as exc:
         batch.error = str(exc)
         batch.events = []
@@ -130,23 +260,3 @@ def decode_nats(subject: str, data: bytes, source: str, recv_ns: int = 0) -> Bat
         batch.error = f"a value nests deeper than {MAX_DEPTH} levels"
         batch.events = []
     return batch
-
-
-def _fill_from_envelope(batch: Batch, envelope: bytes) -> None:
-    header, batch.events = dynamo.decode_envelope(envelope)
-    batch.format = dynamo.ENVELOPE_FORM
-    publisher_id, sequence = header.get("publisher_id"), header.get("sequence")
-    if isinstance(sequence, int):
-        batch.seq = sequence
-        batch.publisher = (batch.source, publisher_id)
-    published_at = header.get("published_at")
-    if isinstance(published_at, (int, float)):  # within TS_RANGE: decode_envelope checked
-        batch.ts = published_at / 1000.0
-    _worker_from_events(batch)
-
-
-def _worker_from_events(batch: Batch) -> None:
-    if batch.events:
-        first = batch.events[0]
-        batch.worker_id = first.get("worker_id")
-        batch.dp_rank = first.get("dp_rank")

@@ -10,6 +10,9 @@ A RouterEvent becomes one canonical event: ``stored`` -> BlockStored (``block_ha
 blocks' ``block_hash``, ``tokens_hashes`` from their ``tokens_hash``), ``removed`` ->
 BlockRemoved, ``"cleared"`` -> AllBlocksCleared; ``worker_id``, ``dp_rank``, ``event_id``,
 ``storage_tier`` and every key this module does not know are kept on the event.
+
+:data:`CODEC` declares the three to the registry (:mod:`kvctl.formats`): ``--format dynamo``
+writes the envelope, ``--format dynamo-json`` the JSON RouterEvents.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 import reprlib
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgpack
@@ -30,11 +33,14 @@ from ..events import (
     BLOCK_STORED,
     MAX_DEPTH,
     TS_RANGE,
+    Batch,
     Event,
     field_type_error,
     kind_of,
+    unsigned_hash,
 )
-from .engine_zmq import to_unsigned, unpack
+from .codec import Codec, NatsEncoding, NatsForm, ZmqForm
+from .engine_zmq import unpack
 
 TOKENS_HASH_SEED = 1337
 EVENT_PLANE_TOPIC = b"kv-events"
@@ -271,6 +277,46 @@ def unwrap_event_plane(frames: list[bytes]) -> tuple[int, int, bytes]:
     return int.from_bytes(frames[1], "big"), int.from_bytes(frames[2], "big"), frame[5:]
 
 
+def decode_json_message(batch: Batch, data: bytes) -> None:
+    """Fill ``batch`` from a NATS message holding JSON RouterEvents."""
+    batch.events = decode_json(data)
+    batch.format = JSON_FORM
+    _worker_from_events(batch)
+
+
+def decode_envelope_message(batch: Batch, envelope: bytes) -> None:
+    """Fill ``batch`` from a Dynamo >= 1.0 envelope: its events, and the publisher, sequence
+    and publishing time its header gives."""
+    header, batch.events = decode_envelope(envelope)
+    batch.format = ENVELOPE_FORM
+    publisher_id, sequence = header.get("publisher_id"), header.get("sequence")
+    if isinstance(sequence, int):
+        batch.seq = sequence
+        batch.publisher = (batch.source, publisher_id)
+    published_at = header.get("published_at")
+    if isinstance(published_at, (int, float)):  # within TS_RANGE: decode_envelope checked
+        batch.ts = published_at / 1000.0
+    _worker_from_events(batch)
+
+
+def decode_event_plane(batch: Batch, frames: list[bytes]) -> None:
+    """Fill ``batch`` from a 4-frame event-plane message (whatever the topic: in broker mode it
+    is the subject); its sequence counts within the publisher id of its frames."""
+    batch.topic = frames[0].decode("utf-8", "replace")
+    publisher_id, sequence, envelope = unwrap_event_plane(frames)
+    decode_envelope_message(batch, envelope)
+    batch.format = EVENT_PLANE_FORM
+    batch.publisher = (batch.source, publisher_id)
+    batch.seq = sequence
+
+
+def _worker_from_events(batch: Batch) -> None:
+    if batch.events:
+        first = batch.events[0]
+        batch.worker_id = first.get("worker_id")
+        batch.dp_rank = first.get("dp_rank")
+
+
 # --- encoding ---------------------------------------------------------------------------------
 
 
@@ -289,7 +335,7 @@ def router_event(
     modern = era == "1.6"
     etype = event["type"]
     if etype == BLOCK_STORED:
-        hashes = [to_unsigned(h) for h in event.get("block_hashes") or ()]
+        hashes = [unsigned_hash(h) for h in event.get("block_hashes") or ()]
         tokens = event.get("token_ids") or []
         size = event.get("block_size") or (len(tokens) // len(hashes) if hashes else 0)
         lora = event.get("lora_name")
@@ -303,7 +349,7 @@ def router_event(
             blocks.append(block)
         parent = event.get("parent_block_hash")
         stored: dict[str, Any] = {
-            "parent_hash": to_unsigned(parent) if parent is not None else None
+            "parent_hash": unsigned_hash(parent) if parent is not None else None
         }
         if modern:
             stored["start_position"] = event.get("start_position")
@@ -311,7 +357,7 @@ def router_event(
         data: Any = {"stored": stored}
     elif etype == BLOCK_REMOVED:
         data = {
-            "removed": {"block_hashes": [to_unsigned(h) for h in event.get("block_hashes") or ()]}
+            "removed": {"block_hashes": [unsigned_hash(h) for h in event.get("block_hashes") or ()]}
         }
     else:
         data = "cleared"
@@ -352,3 +398,58 @@ def encode_event_plane(
     full subject through the broker."""
     frame = bytes([EVENT_PLANE_VERSION]) + struct.pack(">I", len(envelope)) + envelope
     return [topic, publisher_id.to_bytes(8, "big"), sequence.to_bytes(8, "big"), frame]
+
+
+def _envelope_messages(
+    events: Sequence[Event],
+    worker_id: int,
+    first_event_id: int,
+    dp_rank: int,
+    sequence: int,
+    published_at_ms: int,
+) -> list[bytes]:
+    """Dynamo >= 1.2 on core NATS: one envelope per batch, RouterEvents shaped as 1.6's."""
+    routers = [
+        router_event(e, worker_id, first_event_id + i, dp_rank, "1.6") for i, e in enumerate(events)
+    ]
+    return [encode_envelope(routers, worker_id, sequence, published_at_ms)]
+
+
+def _json_messages(
+    events: Sequence[Event],
+    worker_id: int,
+    first_event_id: int,
+    dp_rank: int,
+    sequence: int,
+    published_at_ms: int,
+) -> list[bytes]:
+    """Dynamo 0.7-0.9 on JetStream: one JSON RouterEvent (0.9's shape) per event."""
+    return [
+        encode_json(router_event(e, worker_id, first_event_id + i, dp_rank, "0.9"))
+        for i, e in enumerate(events)
+    ]
+
+
+# --- the codec --------------------------------------------------------------------------------
+
+KNOWN_FIELDS = _DERIVED | {"storage_tier", "residency_domain", "start_position"}
+"""The fields a RouterEvent becomes, and the RouterEvent fields of Dynamo >= 1.2 kept as they
+come (any other kept field is one kvctl does not know)."""
+
+_JSON_START = frozenset(b"{[ \n\t\r")
+_MSGPACK_MAP = frozenset({*range(0x80, 0x90), 0xDE, 0xDF})
+
+CODEC = Codec(
+    name="dynamo",
+    shapes=(JSON_FORM, ENVELOPE_FORM, EVENT_PLANE_FORM),
+    known_fields=KNOWN_FIELDS,
+    zmq=(ZmqForm(4, "4 (Dynamo event plane)", decode_event_plane),),
+    nats=(
+        NatsForm(_JSON_START, "JSON", decode_json_message),
+        NatsForm(_MSGPACK_MAP, "a Dynamo envelope", decode_envelope_message),
+    ),
+    encodings=(
+        NatsEncoding("dynamo", _envelope_messages),
+        NatsEncoding("dynamo-json", _json_messages, jetstream=True),
+    ),
+)

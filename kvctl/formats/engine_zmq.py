@@ -5,12 +5,14 @@ Live message: 3 frames ``[topic, seq (u64 big-endian), payload]``; payload is ms
 (vLLM >= 0.24, SGLang >= 0.5.20, seed publisher) or positional arrays (vLLM 0.9-0.23,
 SGLang <= 0.5.15) of any historical length, possibly mixed in one batch.
 
-Pure functions only: bytes in, events out (and back).
+Pure functions only: bytes in, events out (and back). :data:`CODEC` declares them to the
+registry (:mod:`kvctl.formats`): the ``--format`` names ``vllm``, ``vllm-array``, ``sglang`` and
+``seed`` write this format, each as its producer shapes it; the decoder reads them all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgpack
@@ -24,9 +26,13 @@ from ..events import (
     REMOVED_ARRAY_FIELDS,
     STORED_ARRAY_FIELDS,
     TS_RANGE,
+    Batch,
     Event,
     field_type_error,
+    signed_hash,
+    unsigned_hash,
 )
+from .codec import Codec, NatsForm, ZmqEncoding, ZmqForm
 
 _TS_MIN, _TS_MAX = TS_RANGE
 _ARRAY_FIELDS = {BLOCK_STORED: STORED_ARRAY_FIELDS, BLOCK_REMOVED: REMOVED_ARRAY_FIELDS}
@@ -45,6 +51,15 @@ DEFAULT_ARRAY_LAYOUT = "0.22"
 
 # Shape names reported in Batch.format for engine batches.
 MAP_FORM, ARRAY_FORM, MIXED_FORM = "engine-map", "engine-array", "engine-mixed"
+
+
+def worker_from_topic(topic: str) -> str | None:
+    """llm-d publishes on ``kv@<pod-id>@<model-name>``: the pod is the worker."""
+    if topic.startswith("kv@"):
+        parts = topic.split("@", 2)
+        if len(parts) == 3 and parts[1]:
+            return parts[1]
+    return None
 
 
 def parse_seq(frame: bytes) -> int:
@@ -76,6 +91,25 @@ def unpack(payload: bytes) -> Any:
 def decode_payload(payload: bytes) -> tuple[float | None, list[Event], int | None, str]:
     """Decode one batch payload into ``(ts, events, dp_rank, shape)``."""
     return decode_batch_object(unpack(payload))
+
+
+def decode_frames(batch: Batch, frames: list[bytes]) -> None:
+    """Fill ``batch`` from a 3-frame ``[topic, seq, payload]`` message. (The registry's fast
+    path decodes well-formed messages inline; this one also leaves what it could read on a
+    batch that turns out malformed.)"""
+    topic = frames[0].decode("utf-8", "replace")
+    batch.topic = topic
+    batch.seq = parse_seq(frames[1])
+    batch.ts, batch.events, payload_dp, batch.format = decode_payload(frames[2])
+    if payload_dp is not None:
+        batch.dp_rank = payload_dp
+    if batch.worker_id is None:
+        batch.worker_id = worker_from_topic(topic)
+
+
+def decode_relayed(batch: Batch, data: bytes) -> None:
+    """Fill ``batch`` from an engine payload relayed as is (a NATS message's data)."""
+    batch.ts, batch.events, batch.dp_rank, batch.format = decode_payload(data)
 
 
 def decode_batch_object(obj: Any) -> tuple[float | None, list[Event], int | None, str]:
@@ -157,27 +191,10 @@ _VLLM_STORED_OPTIONAL = (
     "session_id",
     "lookahead_token_ids",
 )
-_SGLANG_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
 _SGLANG_STORED_OPTIONAL = ("medium", "cache_salt", "session_id", "lora_name")
 
 
-def to_unsigned(h: Any) -> Any:
-    if isinstance(h, int):
-        return h + (1 << 64) if h < 0 else h
-    if isinstance(h, (bytes, bytearray)):
-        return int.from_bytes(h[-8:], "big")
-    return h
-
-
-def to_signed(h: Any) -> Any:
-    if isinstance(h, (bytes, bytearray)):
-        h = int.from_bytes(h[:8], "big")
-    if isinstance(h, int) and h >= 1 << 63:
-        return h - (1 << 64)
-    return h
-
-
-def _hashes(event: Event, convert) -> list[Any]:
+def _hashes(event: Event, convert: Callable[[Any], Any]) -> list[Any]:
     return [convert(h) for h in event.get("block_hashes") or ()]
 
 
@@ -210,7 +227,7 @@ def vllm_map_event(event: Event) -> dict[str, Any]:
 
 def _keep_vllm(h: Any) -> Any:
     # vLLM sends u64 ints, or the raw 32 bytes when int hashes are disabled: keep bytes.
-    return h if isinstance(h, (bytes, bytearray)) else to_unsigned(h)
+    return h if isinstance(h, (bytes, bytearray)) else unsigned_hash(h)
 
 
 def vllm_array_event(event: Event, layout: str = DEFAULT_ARRAY_LAYOUT) -> list[Any]:
@@ -229,10 +246,10 @@ def sglang_events(event: Event) -> list[dict[str, Any]]:
     """SGLang publishes one BlockStored per page, chained by parent_block_hash, signed hashes."""
     etype = event["type"]
     if etype == BLOCK_STORED:
-        hashes = _hashes(event, to_signed)
+        hashes = _hashes(event, signed_hash)
         tokens = event.get("token_ids") or []
         size = event.get("block_size") or (len(tokens) // len(hashes) if hashes else 0)
-        parent = to_signed(event.get("parent_block_hash"))
+        parent = signed_hash(event.get("parent_block_hash"))
         out = []
         for i, h in enumerate(hashes):
             ev = {
@@ -250,7 +267,7 @@ def sglang_events(event: Event) -> list[dict[str, Any]]:
             parent = h
         return out
     if etype == BLOCK_REMOVED:
-        ev = {"type": etype, "block_hashes": _hashes(event, to_signed)}
+        ev = {"type": etype, "block_hashes": _hashes(event, signed_hash)}
         if event.get("medium") is not None:
             ev["medium"] = event["medium"]
         return [ev]
@@ -264,42 +281,146 @@ def seed_event(event: Event) -> dict[str, Any]:
         parent = event.get("parent_block_hash")
         return {
             "type": etype,
-            "block_hashes": _hashes(event, to_signed),
-            "parent_block_hash": to_signed(parent) if parent is not None else None,
+            "block_hashes": _hashes(event, signed_hash),
+            "parent_block_hash": signed_hash(parent) if parent is not None else None,
             "token_ids": event.get("token_ids"),
             "block_size": event.get("block_size"),
             "lora_id": event.get("lora_id") or None,
         }
     if etype == BLOCK_REMOVED:
-        return {"type": etype, "block_hashes": _hashes(event, to_signed)}
+        return {"type": etype, "block_hashes": _hashes(event, signed_hash)}
     return {"type": etype}
 
 
-ENGINE_ENCODINGS = ("vllm", "vllm-array", "sglang", "seed")
+def _vllm_payload(
+    events: Iterable[Event], ts: float | None, dp_rank: int | None, array_layout: str
+) -> bytes:
+    return msgpack.packb([ts, [vllm_map_event(e) for e in events], dp_rank])
+
+
+def _vllm_array_payload(
+    events: Iterable[Event], ts: float | None, dp_rank: int | None, array_layout: str
+) -> bytes:
+    wire = [vllm_array_event(e, array_layout) for e in events]
+    return msgpack.packb([ts, wire] if array_layout == "0.9" else [ts, wire, dp_rank])
+
+
+def _sglang_payload(
+    events: Iterable[Event], ts: float | None, dp_rank: int | None, array_layout: str
+) -> bytes:
+    return msgpack.packb([ts, [w for e in events for w in sglang_events(e)], dp_rank])
+
+
+def _seed_payload(
+    events: Iterable[Event], ts: float | None, dp_rank: int | None, array_layout: str
+) -> bytes:
+    return msgpack.packb([ts, [seed_event(e) for e in events], dp_rank])
+
+
+ENCODINGS = (
+    ZmqEncoding("vllm", _vllm_payload),
+    ZmqEncoding("vllm-array", _vllm_array_payload),
+    ZmqEncoding("sglang", _sglang_payload),
+    ZmqEncoding("seed", _seed_payload),
+)
+ENGINE_ENCODINGS = tuple(e.name for e in ENCODINGS)
+_PAYLOADS = {e.name: e.payload for e in ENCODINGS}
 
 
 def encode_payload(
     events: Iterable[Event],
-    ts: float,
+    ts: float | None,
     dp_rank: int | None = 0,
     encoding: str = "vllm",
     array_layout: str = DEFAULT_ARRAY_LAYOUT,
 ) -> bytes:
     """Encode events as one engine batch payload in the chosen producer's shape."""
-    if encoding == "vllm":
-        wire: list[Any] = [vllm_map_event(e) for e in events]
-    elif encoding == "vllm-array":
-        wire = [vllm_array_event(e, array_layout) for e in events]
-    elif encoding == "sglang":
-        wire = [w for e in events for w in sglang_events(e)]
-    elif encoding == "seed":
-        wire = [seed_event(e) for e in events]
-    else:
+    payload = _PAYLOADS.get(encoding)
+    if payload is None:
         raise ValueError(f"unknown engine encoding {encoding!r}; choose from {ENGINE_ENCODINGS}")
-    if encoding == "vllm-array" and array_layout == "0.9":
-        return msgpack.packb([ts, wire])
-    return msgpack.packb([ts, wire, dp_rank])
+    return payload(events, ts, dp_rank, array_layout)
 
 
 def encode_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
     return [topic, seq.to_bytes(8, "big"), payload]
+
+
+# --- rebuilding recorded frames -----------------------------------------------------------------
+# A recording may leave out the raw frames of a batch its decoded values rebuild byte for byte:
+# engine batches in the canonical encoding (msgpack-python's, which every producer uses), the
+# common case, and half the bytes on disk. The recipe names are stored in recordings.
+
+RECIPES = ("zmq3", "zmq2", "nats3", "nats2")
+"""``zmq3`` = ``[topic, seq, payload]`` with a 3-element payload, ``zmq2`` = vLLM 0.9's
+2-element payload; ``nats3``/``nats2``: the payload alone (relayed on NATS)."""
+
+
+def frames_recipe(batch: Batch) -> str | None:
+    """Name the recipe that rebuilds ``batch.frames`` from its decoded values, if one does
+    exactly (checked byte for byte)."""
+    fmt = batch.format
+    if batch.error is not None or fmt not in (MAP_FORM, ARRAY_FORM):
+        return None
+    frames = batch.frames
+    if len(frames) == 3:
+        kind = "zmq"
+        if batch.seq is None or frames[1] != batch.seq.to_bytes(8, "big"):
+            return None
+        if frames[0] != batch.topic.encode("utf-8", "surrogatepass"):
+            return None
+        payload = frames[2]
+    elif len(frames) == 1:
+        kind, payload = "nats", frames[0]
+    else:
+        return None
+    for n in (3, 2):
+        try:
+            rebuilt = _rebuilt_payload(batch.ts, batch.events, batch.dp_rank, fmt, n)
+        except Exception:  # an odd value msgpack refuses: keep the raw bytes
+            return None
+        if rebuilt == payload:
+            return f"{kind}{n}"
+    return None
+
+
+def rebuild_frames(recipe: str, batch: Batch) -> list[bytes]:
+    """The frames :func:`frames_recipe` vouched for, from the batch read back."""
+    payload = _rebuilt_payload(batch.ts, batch.events, batch.dp_rank, batch.format, int(recipe[-1]))
+    if recipe.startswith("zmq"):
+        assert batch.seq is not None  # frames_recipe names a zmq recipe only with a seq
+        return [batch.topic.encode("utf-8", "surrogatepass"), batch.seq.to_bytes(8, "big"), payload]
+    return [payload]
+
+
+def _rebuilt_payload(ts: Any, events: list[Event], dp_rank: Any, fmt: str, n: int) -> bytes:
+    # Array-form events were decoded into dicts in positional order: values() is the array.
+    wire = events if fmt == MAP_FORM else [list(e.values()) for e in events]
+    return msgpack.packb([ts, wire, dp_rank] if n == 3 else [ts, wire])
+
+
+# --- the codec --------------------------------------------------------------------------------
+
+KNOWN_FIELDS = frozenset(
+    {
+        "type",
+        *STORED_ARRAY_FIELDS,
+        *REMOVED_ARRAY_FIELDS,
+        *_VLLM_STORED_OPTIONAL,  # vLLM's map-only fields
+        *_SGLANG_STORED_OPTIONAL,  # SGLang: cache_salt
+    }
+)
+"""Every field vLLM, SGLang, TensorRT-LLM and the seed publisher send (wire-formats.md)."""
+
+_MSGPACK_ARRAY = frozenset({*range(0x90, 0xA0), 0xDC, 0xDD})
+
+CODEC = Codec(
+    name="engine",
+    shapes=(MAP_FORM, ARRAY_FORM, MIXED_FORM),
+    known_fields=KNOWN_FIELDS,
+    zmq=(ZmqForm(3, "3 [topic, seq, payload]", decode_frames),),
+    nats=(NatsForm(_MSGPACK_ARRAY, "an engine batch", decode_relayed),),
+    encodings=ENCODINGS,
+    frames_recipe=frames_recipe,
+    rebuild_frames=rebuild_frames,
+    recipes=RECIPES,
+)
