@@ -269,8 +269,9 @@ class Converter:
 
     def close_pipes(self) -> None:
         for f in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):
-                f.close()
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
 
 
 if __name__ == "__main__":

@@ -81,31 +81,7 @@ def _recording_info(root: Path) -> dict[str, Any]:
         if mm["min"] is not None:
             ts_lo = mm["min"] if ts_lo is None else min(ts_lo, mm["min"])
             ts_hi = mm["max"] if ts_hi is None else max(ts_hi, mm["max"])
-        firsts = rb.filter(pc.is_valid(rb.column("raw_size")))
-        if firsts.num_rows:
-            table = pa.Table.from_batches([firsts.select(["publisher", "seq"])])
-            table = table.set_column(0, "publisher", table.column(0).cast(pa.string()))
-            agg = table.group_by("publisher").aggregate(
-                [("seq", "min"), ("seq", "max"), ("seq", "count"), ("seq", "count_distinct")]
-            )
-            for row in agg.to_pylist():
-                key = row["publisher"] if row["publisher"] is not None else "null"
-                p = publishers.setdefault(
-                    key, {"batches": 0, "min_seq": None, "max_seq": None, "distinct_seqs": 0}
-                )
-                p["batches"] += row["seq_count"]
-                p["distinct_seqs"] += row["seq_count_distinct"]  # per chunk: an upper bound
-                if row["seq_min"] is not None:
-                    p["min_seq"] = (
-                        row["seq_min"]
-                        if p["min_seq"] is None
-                        else min(p["min_seq"], row["seq_min"])
-                    )
-                    p["max_seq"] = (
-                        row["seq_max"]
-                        if p["max_seq"] is None
-                        else max(p["max_seq"], row["seq_max"])
-                    )
+        _add_seq_ranges(publishers, rb)
         bi = rb.column("batch_index")
         if bi.null_count:
             gap_rows = rb.filter(pc.is_null(bi))
@@ -142,6 +118,35 @@ def _recording_info(root: Path) -> dict[str, Any]:
         "publishers": publishers,
         "journals": sum(k == "journal" for k, _ in sources),  # read from unconverted journals
     }
+
+
+def _add_seq_ranges(publishers: dict[str, dict[str, Any]], rb: pa.RecordBatch) -> None:
+    """Batches and seq range per publisher, from the first row of each batch in ``rb``."""
+    firsts = rb.filter(pc.is_valid(rb.column("raw_size")))
+    if firsts.num_rows:
+        table = pa.Table.from_batches([firsts.select(["publisher", "seq"])])
+        table = table.set_column(0, "publisher", table.column(0).cast(pa.string()))
+        agg = table.group_by("publisher").aggregate(
+            [("seq", "min"), ("seq", "max"), ("seq", "count"), ("seq", "count_distinct")]
+        )
+        for row in agg.to_pylist():
+            key = row["publisher"] if row["publisher"] is not None else "null"
+            seen = publishers.setdefault(
+                key, {"batches": 0, "min_seq": None, "max_seq": None, "distinct_seqs": 0}
+            )
+            seen["batches"] += row["seq_count"]
+            seen["distinct_seqs"] += row["seq_count_distinct"]  # per chunk: an upper bound
+            if row["seq_min"] is not None:
+                seen["min_seq"] = (
+                    row["seq_min"]
+                    if seen["min_seq"] is None
+                    else min(seen["min_seq"], row["seq_min"])
+                )
+                seen["max_seq"] = (
+                    row["seq_max"]
+                    if seen["max_seq"] is None
+                    else max(seen["max_seq"], row["seq_max"])
+                )
 
 
 def _first_version(sources: list[tuple[str, Path]]) -> str | None:

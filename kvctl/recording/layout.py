@@ -152,7 +152,8 @@ def write_manifest(
     os.replace(tmp, directory / MANIFEST_NAME)
 
 
-def segment_files(directory: Path) -> list[Path]:
-    """The Parquet segments of a directory, in segment order."""
-    found = [(int(m.group(1)), e) for e in directory.iterdir() if (m := SEGMENT_RE.match(e.name))]
-    return [e for _, e in sorted(found)]
+def segment_files(directory: Path) -> list[tuple[int, Path]]:
+    """(number, path) of the Parquet segments of a directory, in segment order."""
+    return sorted(
+        (int(m.group(1)), e) for e in directory.iterdir() if (m := SEGMENT_RE.match(e.name))
+    )

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -118,6 +118,20 @@ def record_batches(
         else:
             for rb in event_batches(p):
                 yield rb.select(columns) if columns else rb
+
+
+@overload
+def open_recording(
+    path: str | os.PathLike[str],
+    include_gaps: Literal[False] = False,
+    batch_size: int = 16 * 1024,
+) -> Iterator[Batch]: ...
+
+
+@overload
+def open_recording(
+    path: str | os.PathLike[str], include_gaps: bool, batch_size: int = 16 * 1024
+) -> Iterator[Batch | Gap]: ...
 
 
 def open_recording(

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -49,6 +49,10 @@ def _to_pylist(column: pa.Array | pa.ChunkedArray) -> list[Any]:
     return column.to_pylist()
 
 
+# struct format of a signed integer, by width in bytes
+_INT_FORMATS: dict[int, Literal["b", "h", "i", "q"]] = {1: "b", 2: "h", 4: "i", 8: "q"}
+
+
 def _int_list(ints: pa.Array) -> list[int]:
     """A null-free signed integer array as Python ints, read straight from its data buffer:
     faster than ``to_pylist`` and, unlike ``to_numpy``, without numpy (not a dependency)."""
@@ -56,7 +60,7 @@ def _int_list(ints: pa.Array) -> list[int]:
         return []
     width = ints.type.bit_width // 8
     data = ints.buffers()[1].slice(ints.offset * width, len(ints) * width)
-    return memoryview(data).cast({1: "b", 2: "h", 4: "i", 8: "q"}[width]).tolist()
+    return memoryview(data).cast(_INT_FORMATS[width]).tolist()
 
 
 def rows_to_batches(

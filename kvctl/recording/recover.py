@@ -17,7 +17,6 @@ from .layout import (
     JOURNAL_SUFFIX,
     MANIFEST_NAME,
     SEGMENT_JOURNAL_RE,
-    SEGMENT_RE,
     NotARecording,
     is_kvctl_entry,
     journal_of,
@@ -143,11 +142,11 @@ def _recover_directory(directory: Path) -> Path:
         remove_stale_temps(directory / (entry.name[1:].split(".parquet.")[0] + ".parquet"))
     segments = []
     metadata: dict[str, Any] = {}
-    for entry in segment_files(directory):
+    for number, entry in segment_files(directory):
         meta = file_metadata(entry)
         meta["file"] = entry.name
         meta["bytes"] = entry.stat().st_size
-        meta.setdefault("segment", int(SEGMENT_RE.match(entry.name).group(1)))
+        meta.setdefault("segment", number)
         metadata = meta.get("metadata", metadata)
         segments.append(meta)
     old: dict[str, Any] = {}

@@ -120,7 +120,7 @@ def _to_record_batch(
     cols = _Columns()
     index = first_batch_index
     for batch in batches:
-        if type(batch) is Gap:
+        if isinstance(batch, Gap):
             _add_gap(cols, batch)
         else:
             _add_batch(cols, batch, index, raw_frames)
@@ -171,7 +171,7 @@ def _batch_values(batch: Batch | Gap) -> tuple[list[Any], dict[str, Any]]:
     pub = fit(
         "publisher", publisher, publisher is None or type(publisher) is str, _display(publisher)
     )
-    if type(batch) is Gap:
+    if isinstance(batch, Gap):
         return [recv, None, source, None, pub, None, None, None, None], bx
     ts, seq, worker, dp = batch.ts, batch.seq, batch.worker_id, batch.dp_rank
     return [

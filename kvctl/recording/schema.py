@@ -155,6 +155,8 @@ def _build_payload(ts: Any, events: list[Event], dp_rank: Any, fmt: str, n: int)
 def rebuild_frames(codec: str, batch: Batch) -> list[bytes]:
     payload = _build_payload(batch.ts, batch.events, batch.dp_rank, batch.format, int(codec[-1]))
     if codec.startswith("zmq"):
+        if batch.seq is None:  # frames_codec names a zmq recipe only for a batch with a seq
+            raise TypeError(f"frames_codec {codec} on a row without seq")
         return [batch.topic.encode("utf-8", "surrogatepass"), batch.seq.to_bytes(8, "big"), payload]
     return [payload]
 

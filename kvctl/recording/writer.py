@@ -44,7 +44,6 @@ from .journal import (
 )
 from .layout import (
     JOURNAL_SUFFIX,
-    SEGMENT_RE,
     output_conflict,
     segment_files,
     write_manifest,
@@ -365,7 +364,7 @@ class RecordingWriter:
                 files = [str(self.path / s["file"]) for s in self._segments]
             else:
                 files = [str(self.path)]
-        summary = {
+        summary: dict[str, Any] = {
             "kvctl_version": __version__,
             "schema_version": SCHEMA_VERSION,
             "path": str(self.path),
@@ -392,11 +391,11 @@ class RecordingWriter:
     def _continue_segments(self) -> None:
         """--append: keep the directory's segments in the manifest; number new segments and
         batches after them (readers take the directory in segment order)."""
-        for entry in segment_files(self.path):
+        for number, entry in segment_files(self.path):
             meta = file_metadata(entry)
             meta["file"] = entry.name
             meta["bytes"] = entry.stat().st_size
-            meta["segment"] = int(SEGMENT_RE.match(entry.name).group(1))
+            meta["segment"] = number
             self._segments.append(meta)
             self._segment = meta["segment"] + 1
             last = (meta.get("counts") or {}).get("last_batch_index")
@@ -631,7 +630,7 @@ class RecordingWriter:
             self.converter_info["inline_conversions"] += 1
         self._done(str(path), meta, seg.journal.bytes)
 
-    def write_manifest(self, complete: bool, end_ns: int | None = None) -> None:
+    def _write_manifest(self, complete: bool, end_ns: int | None = None) -> None:
         write_manifest(
             self.path,
             self._segments,
