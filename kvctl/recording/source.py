@@ -29,7 +29,8 @@ class RecordingSource:
         self.paths = paths
         self.chunk_rows = chunk_rows
 
-    def batches(self) -> Iterator[Batch | None]:
+    def batches(self) -> Iterator[Batch]:
+        """Every batch of every recording, in order (a recording has no idle ticks: no None)."""
         from .reader import open_recording  # pyarrow: only once a recording is read
 
         for path in self.paths:
