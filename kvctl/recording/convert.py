@@ -62,16 +62,13 @@ _DELTA = ("recv_ns", "seq", "batch_index", "event_id")
 
 
 def parquet_options(compression_level: int) -> dict[str, Any]:
+    """``pyarrow.parquet.ParquetWriter`` options for a recording file."""
     return {
         "compression": "zstd",
         "compression_level": compression_level,
         "use_dictionary": list(_DICT),
         "column_encoding": dict.fromkeys(_DELTA, "DELTA_BINARY_PACKED"),
     }
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False)
 
 
 class Decoder:

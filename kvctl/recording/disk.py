@@ -10,6 +10,7 @@ from typing import Any
 
 
 def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: not every file system can)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

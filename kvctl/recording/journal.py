@@ -97,6 +97,7 @@ _GAP_PREFIX = '{"kind":"gap"'
 
 
 def gap_row(gap: Gap) -> tuple[tuple, list[bytes]]:
+    """A gap marker recorded as is: (row, no frames), its fields as tagged JSON."""
     source = redact_url(gap.source) if type(gap.source) is str else gap.source
     publisher = redact_url(gap.publisher) if type(gap.publisher) is str else gap.publisher
     fields = {
@@ -332,6 +333,7 @@ def read_journal(path: str | os.PathLike[str]) -> Iterator[pa.RecordBatch]:
 
 
 def journal_schema(path: str | os.PathLike[str]) -> pa.Schema | None:
+    """The schema (with the header) of a journal, or None if it is not an Arrow IPC stream."""
     try:
         with pa.memory_map(str(path), "r") as source:
             return pa.ipc.open_stream(source).schema
@@ -340,6 +342,7 @@ def journal_schema(path: str | os.PathLike[str]) -> pa.Schema | None:
 
 
 def journal_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The header of a journal ({} if none); see :func:`journal_header` for a checked one."""
     schema = journal_schema(path)
     raw = (schema.metadata or {}).get(METADATA_KEY.encode()) if schema is not None else None
     return json.loads(raw) if raw else {}

@@ -112,6 +112,7 @@ def _find_sources(path: Path) -> list[tuple[str, Path]]:
 def record_batches(
     path: Path, columns: list[str] | None = None, batch_size: int = 16 * 1024
 ) -> Iterator[pa.RecordBatch]:
+    """Rows of the schema (only ``columns`` if given), source after source, in recorded order."""
     for kind, p in recording_sources(path):
         if kind == "parquet":
             yield from pq.ParquetFile(p).iter_batches(batch_size=batch_size, columns=columns)

@@ -66,6 +66,7 @@ def _int_list(ints: pa.Array) -> list[int]:
 def rows_to_batches(
     cols: dict[str, list[Any]], start: int, stop: int, include_gaps: bool = False
 ) -> list[Batch | Gap]:
+    """The batches (and, with ``include_gaps``, gaps) of rows ``start:stop`` of ``cols``."""
     out: list[Batch | Gap] = []
     bi = cols["batch_index"]
     layouts: dict[str, list[Any]] = {}

@@ -153,6 +153,7 @@ def _build_payload(ts: Any, events: list[Event], dp_rank: Any, fmt: str, n: int)
 
 
 def rebuild_frames(codec: str, batch: Batch) -> list[bytes]:
+    """The raw frames of ``batch`` from its columns, by the recipe ``codec`` names."""
     payload = _build_payload(batch.ts, batch.events, batch.dp_rank, batch.format, int(codec[-1]))
     if codec.startswith("zmq"):
         if batch.seq is None:  # frames_codec names a zmq recipe only for a batch with a seq
