@@ -167,7 +167,7 @@ def bare_loop(batches: list[Batch], chunk: int = 16 * 1024) -> float:
 def run(
     batches: list[Batch], raw: int, level: int, raw_frames: str, out: Path, background: bool = True
 ) -> dict:
-    from kvctl.transports.files import RecordingWriter
+    from kvctl.recording.writer import RecordingWriter
 
     rows = sum(max(1, len(b.events)) for b in batches)
     t0 = time.perf_counter()
@@ -205,7 +205,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="try zstd levels and raw_frames modes")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from kvctl.transports.files import DEFAULT_ZSTD_LEVEL
+    from kvctl.recording.convert import DEFAULT_ZSTD_LEVEL
 
     t0 = time.perf_counter()
     frames = Workload().frames(args.events)

@@ -44,8 +44,9 @@ class Record:
     def consume(self, batches: int) -> tuple[float, int]:
         from kvctl.commands.record import RecordingSink, _labels
         from kvctl.output import StderrDiagnostics
-        from kvctl.pipeline import Limits, run
-        from kvctl.transports.files import RecordingWriter
+        from kvctl.pipeline import run
+        from kvctl.recording.writer import RecordingWriter
+        from kvctl.selection import Limits
 
         tmp = Path(tempfile.mkdtemp(prefix="kvctl-bench-"))
         try:
@@ -86,8 +87,9 @@ def _recorder(endpoint: str, out: str, total_events: int, report) -> None:
 
     from kvctl.commands.record import RecordingSink, _labels
     from kvctl.output import StderrDiagnostics
-    from kvctl.pipeline import Limits, LiveSource, SourceSpec, run
-    from kvctl.transports.files import RecordingWriter
+    from kvctl.pipeline import LiveSource, SourceSpec, run
+    from kvctl.recording.writer import RecordingWriter
+    from kvctl.selection import Limits
 
     source = LiveSource([SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES)
     writer = RecordingWriter(out, labels=_labels([endpoint]))

@@ -84,7 +84,7 @@ def kvctl(path: Path, batches: int, *args: str) -> dict:
 
 def main() -> None:
     from kvctl.formats import decode_zmq
-    from kvctl.transports.files import RecordingWriter
+    from kvctl.recording.writer import RecordingWriter
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=50_000)

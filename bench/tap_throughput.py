@@ -26,7 +26,8 @@ class Tap:
 
     def consume(self, batches: int) -> tuple[float, int]:
         from kvctl.output import JsonLinesSink
-        from kvctl.pipeline import Limits, run
+        from kvctl.pipeline import run
+        from kvctl.selection import Limits
 
         with open("/dev/null", "wb") as devnull:
             sink = JsonLinesSink(devnull)

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from .errors import StrictModeError, TransportError, UsageError
 from .events import Batch, Event
 from .formats import decode_nats, decode_zmq
+from .selection import Filters, Limits
 from .text import plural
 
 DRAIN_LIMIT = 512  # messages taken from one socket before the others get their turn
@@ -52,27 +53,6 @@ class SourceSpec:
         if "://" in text:
             raise UsageError(f"{text}: unknown scheme (use tcp://, ipc://, nats:// or a path)")
         return cls("file", text)
-
-
-@dataclass
-class Limits:
-    count: int | None = None
-    duration: float | None = None
-    idle_timeout: float | None = None
-
-
-@dataclass
-class Filters:
-    types: frozenset[str] = frozenset()
-    workers: frozenset[str] = frozenset()
-
-    def apply(self, batch: Batch) -> list[Event]:
-        events = batch.events
-        if self.types:
-            events = [e for e in events if e.get("type") in self.types]
-        if self.workers and str(batch.worker_id) not in self.workers:
-            events = [e for e in events if str(e.get("worker_id", batch.worker_id)) in self.workers]
-        return events
 
 
 @dataclass
@@ -697,33 +677,3 @@ class Schedule:
             "max_ms": values[-1] * 1e3,
             "late_over_1ms": sum(v > 0.001 for v in values),
         }
-
-
-class RecordingSource:
-    """Recordings (files, segment directories or journals) read back in recorded order."""
-
-    def __init__(self, paths: list[str], chunk_rows: int = 4096) -> None:
-        """``chunk_rows``: rows decoded at a time. Reading a chunk holds the GIL, so a paced
-        replay reads small chunks (short stalls); throughput wants large ones."""
-        from pathlib import Path
-
-        for path in paths:
-            if not Path(path).exists():
-                raise UsageError(
-                    f"{path}: no such recording (sources are tcp://, ipc://, "
-                    "nats:// or a recording path)"
-                )
-        self.paths = paths
-        self.chunk_rows = chunk_rows
-
-    def batches(self) -> Iterator[Batch | None]:
-        from .transports.files import open_recording
-
-        for path in self.paths:
-            try:
-                yield from open_recording(path, batch_size=self.chunk_rows)
-            except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
-                raise TransportError(f"{path}: cannot read recording: {exc}") from None
-
-    def close(self) -> None:
-        pass

@@ -12,8 +12,10 @@ from .errors import ExitCode, KvctlError, UsageError
 from .events import Batch, Event
 from .options import connection_kwargs
 from .output import JsonLinesSink, PrettySink, StderrDiagnostics
-from .pipeline import Filters, Limits, LiveSource, RecordingSource, SourceSpec, Summary, run
+from .pipeline import LiveSource, SourceSpec, Summary, run
+from .recording.source import RecordingSource
 from .redact import shown_sources
+from .selection import Filters, Limits
 
 
 class Interrupted(KvctlError):

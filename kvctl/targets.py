@@ -329,7 +329,7 @@ class RecordingTarget:
         metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
     ) -> None:
-        from .transports.files import RecordingWriter
+        from .recording.writer import RecordingWriter
 
         encoding = encoding or "vllm"
         if encoding not in format_names(ZMQ):

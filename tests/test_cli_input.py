@@ -37,7 +37,7 @@ LONG_WORKER = "worker-" + "with-a-long-pod-label-" * 4 + "[0]"
 @pytest.fixture
 def long_named_recording(tmp_path) -> str:
     from kvctl.events import Batch
-    from kvctl.transports.files import RecordingWriter
+    from kvctl.recording.writer import RecordingWriter
 
     path = str(tmp_path / "long.parquet")
     writer = RecordingWriter(path)

@@ -22,7 +22,8 @@ from conftest import (
 from inprocess import run_main
 
 from kvctl.events import Batch
-from kvctl.pipeline import Filters, Limits, run
+from kvctl.pipeline import run
+from kvctl.selection import Filters, Limits
 from kvctl.session import Feed
 
 

@@ -21,7 +21,8 @@ from conftest import (
 from test_tap_nats import publish
 
 from kvctl.formats.dynamo import encode_envelope, encode_json, router_event
-from kvctl.transports.files import open_recording, read_journal
+from kvctl.recording.journal import read_journal
+from kvctl.recording.reader import open_recording
 
 
 def rows_of(out: str) -> list[dict]:

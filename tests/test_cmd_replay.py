@@ -14,7 +14,8 @@ from test_tap_nats import wait_ready
 
 from kvctl.formats import decode_zmq
 from kvctl.formats.engine_zmq import encode_frames, encode_payload
-from kvctl.transports.files import RecordingWriter, open_recording
+from kvctl.recording.reader import open_recording
+from kvctl.recording.writer import RecordingWriter
 from kvctl.transports.zmq import fetch_replay
 
 STEP_NS = 20_000_000  # 20 ms between recorded batches

@@ -148,7 +148,7 @@ def test_simulate_usage_errors(args):
 
 
 def test_output_recording_is_deterministic_and_passes_check(tmp_path):
-    from kvctl.transports.files import open_recording
+    from kvctl.recording.reader import open_recording
 
     paths = [tmp_path / "a.parquet", tmp_path / "b.parquet"]
     for path in paths:

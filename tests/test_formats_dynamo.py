@@ -384,7 +384,8 @@ def _as_each_form(router: dict) -> dict:
 
 @pytest.mark.parametrize("where", ["RouterEvent", "event", "stored", "block"])
 def test_a_value_nested_to_the_bound_is_valid_in_every_form_and_one_more_is_not(where):
-    from kvctl.formats.parquet import MALFORMED, batches_to_record_batch
+    from kvctl.recording.rows import batches_to_record_batch
+    from kvctl.recording.schema import MALFORMED
 
     def router_with(levels: int) -> dict:
         router = router_event(STORED, 3, 0)

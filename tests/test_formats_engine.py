@@ -201,8 +201,8 @@ def assert_printable_and_recordable(batch) -> None:
     """Whatever a decoder accepted, tap can print and record can store."""
     import io
 
-    from kvctl.formats.parquet import batches_to_record_batch
     from kvctl.output import JsonLinesSink, PrettySink
+    from kvctl.recording.rows import batches_to_record_batch
 
     out = io.BytesIO()
     JsonLinesSink(out).write(batch, batch.events)
@@ -485,7 +485,8 @@ def test_a_value_nested_to_the_bound_is_valid_and_one_level_more_is_malformed(pl
     ok = decode_zmq(frames_of([1.0, [event_with(VALUE_LEVELS)], 0]), "src")
     assert ok.error is None, ok.error
     assert_printable_and_recordable(ok)
-    from kvctl.formats.parquet import MALFORMED, batches_to_record_batch
+    from kvctl.recording.rows import batches_to_record_batch
+    from kvctl.recording.schema import MALFORMED
 
     recorded = batches_to_record_batch([ok]).to_pydict()
     assert MALFORMED not in recorded["type"]  # the recording takes what the decoder took

@@ -24,8 +24,9 @@ from test_formats_engine import assert_printable_and_recordable
 from kvctl.events import MAX_DEPTH
 from kvctl.formats import decode_nats, decode_zmq
 from kvctl.formats.dynamo import encode_envelope, encode_event_plane, encode_json, router_event
-from kvctl.formats.parquet import batches_to_record_batch, record_batch_to_batches
 from kvctl.pipeline import SeqTracker, Summary
+from kvctl.recording.rebuild import record_batch_to_batches
+from kvctl.recording.rows import batches_to_record_batch
 from kvctl.sequence import SequenceTracker as StateSeqTracker
 from kvctl.stats import StatsCollector
 

@@ -19,7 +19,8 @@ from kvctl.formats import decode_zmq
 from kvctl.formats.dynamo import encode_envelope, encode_event_plane, router_event
 from kvctl.formats.engine_zmq import encode_frames, encode_payload
 from kvctl.output import PrettySink, StderrDiagnostics
-from kvctl.transports.files import RecordingWriter, open_recording
+from kvctl.recording.reader import open_recording
+from kvctl.recording.writer import RecordingWriter
 
 T0_NS = 1_700_000_000_000_000_000
 HEX_HASH = 0xD0326374B3AA55EE  # shown as "d0326374b3…": a rich tag unless escaped

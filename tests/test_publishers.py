@@ -15,7 +15,7 @@ from test_tap_nats import wait_ready
 
 from kvctl.formats import decode_zmq
 from kvctl.formats.engine_zmq import encode_frames, encode_payload
-from kvctl.transports.files import RecordingWriter
+from kvctl.recording.writer import RecordingWriter
 
 USER, PASSWORD = "kv", "s3cret-pw"
 CREDENTIALS = ("--nats-user", USER, "--nats-password", PASSWORD)

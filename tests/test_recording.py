@@ -21,21 +21,15 @@ from hypothesis import strategies as st
 from kvctl.events import Batch
 from kvctl.formats import decode_nats, decode_zmq, dynamo
 from kvctl.formats import engine_zmq as ez
-from kvctl.formats.parquet import (
-    SCHEMA,
-    SCHEMA_VERSION,
-    Gap,
-    batches_to_record_batch,
-    record_batch_to_batches,
-)
-from kvctl.transports.files import (
-    MANIFEST_NAME,
-    RecordingWriter,
-    open_recording,
-    read_journal,
-    recording_info,
-    recover,
-)
+from kvctl.recording.info import recording_info
+from kvctl.recording.journal import read_journal
+from kvctl.recording.layout import MANIFEST_NAME
+from kvctl.recording.reader import open_recording
+from kvctl.recording.rebuild import record_batch_to_batches
+from kvctl.recording.recover import recover
+from kvctl.recording.rows import batches_to_record_batch
+from kvctl.recording.schema import SCHEMA, SCHEMA_VERSION, Gap
+from kvctl.recording.writer import RecordingWriter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -244,7 +238,7 @@ KILL_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from test_recording import all_format_batches
-from kvctl.transports.files import RecordingWriter
+from kvctl.recording.writer import RecordingWriter
 from test_recording import put
 w = RecordingWriter({out!r}, flush_interval=0.2)
 batches = all_format_batches()
@@ -480,9 +474,9 @@ def _wait(cond, timeout: float = 20.0) -> None:
 def test_converter_death_loses_nothing(tmp_path: Path, monkeypatch, restarts: int) -> None:
     """kill -9 of the converter mid-recording: recording goes on, and the next converter (or,
     when none may be started, close itself) converts everything from the journals."""
-    from kvctl.transports import files
+    from kvctl.recording import writer
 
-    monkeypatch.setattr(files, "CONVERTER_RESTARTS", restarts)
+    monkeypatch.setattr(writer, "CONVERTER_RESTARTS", restarts)
     out = tmp_path / "run"
     w = RecordingWriter(out, rotate_size=15_000, flush_interval=0.05)
     assert w.converter_ready()
@@ -564,7 +558,7 @@ def _running(pid: int) -> bool:
 def test_filters_and_cut_are_reproduced(tmp_path: Path) -> None:
     """What the pipeline kept (filters, then -c on the last batch) is what the file holds,
     with labels from the journal header (as `kvctl record` writes them)."""
-    from kvctl.pipeline import Filters
+    from kvctl.selection import Filters
 
     filters = Filters(types=frozenset({"BlockStored"}))
     src = "tcp://127.0.0.1:5557"
@@ -586,7 +580,7 @@ def test_filters_and_cut_are_reproduced(tmp_path: Path) -> None:
 def test_dictionary_columns_read_back_across_chunks_with_nulls():
     import pyarrow as pa
 
-    from kvctl.formats.parquet import _to_pylist
+    from kvctl.recording.rebuild import _to_pylist
 
     first = pa.array(["GPU", "CPU", None, "GPU"]).dictionary_encode()
     second = pa.array(["DISK", None]).dictionary_encode()  # another dictionary

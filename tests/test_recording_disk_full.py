@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import free_port, run_kvctl, start_kvctl
 
-from kvctl.transports.files import open_recording
+from kvctl.recording.reader import open_recording
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 from conftest import finish, removed, run_kvctl, start_kvctl
 
 from kvctl.formats import decode_zmq
-from kvctl.transports.files import RecordingWriter
+from kvctl.recording.writer import RecordingWriter
 
 
 def deep_payload(levels: int = 500) -> bytes:
@@ -49,7 +49,7 @@ def test_a_deeply_nested_value_is_recorded_as_malformed(engine, tmp_path):
     cat = run_kvctl("cat", str(path), "--json")
     assert cat.returncode == 0 and "nests deeper than" in cat.stderr.decode(), cat.stderr
     assert [json.loads(x)["block_hashes"] for x in cat.stdout.splitlines()] == [[1], [3]]
-    from kvctl.transports.files import open_recording
+    from kvctl.recording.reader import open_recording
 
     assert [b.frames[2] for b in open_recording(path) if b.error] == [payload]
 

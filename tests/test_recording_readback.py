@@ -106,7 +106,8 @@ def test_a_huge_batch_reads_back_in_linear_time(tmp_path):
     quadratic: 1M events took ~110 s; now ~8 s on the 2-core CI box)."""
     from kvctl.formats import decode_zmq
     from kvctl.formats import engine_zmq as ez
-    from kvctl.transports.files import RecordingWriter, open_recording
+    from kvctl.recording.reader import open_recording
+    from kvctl.recording.writer import RecordingWriter
 
     def seconds_to_read(n: int) -> float:
         events = [{"type": "BlockRemoved", "block_hashes": [i]} for i in range(n)]

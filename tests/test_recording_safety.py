@@ -15,7 +15,8 @@ from inprocess import run_main
 
 from kvctl.formats import decode_zmq
 from kvctl.formats import engine_zmq as ez
-from kvctl.transports.files import RecordingWriter, open_recording
+from kvctl.recording.reader import open_recording
+from kvctl.recording.writer import RecordingWriter
 
 
 def kvctl(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:

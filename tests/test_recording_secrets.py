@@ -15,8 +15,8 @@ from conftest import NatsServer, finish, read_line, run_kvctl, start_kvctl
 from test_tap_nats import publish
 
 from kvctl.formats.dynamo import encode_envelope, router_event
+from kvctl.recording.journal import read_journal
 from kvctl.redact import redact_argv, redact_url
-from kvctl.transports.files import read_journal
 
 SECRET = "s3cret"
 SUBJECT = "namespace.n.component.c.endpoint.e.kv-events"

@@ -23,7 +23,7 @@ def command(path: str, as_json: bool) -> None:
     """
     from ..errors import TransportError
     from ..output import dumps
-    from ..transports.files import recording_info
+    from ..recording.info import recording_info
 
     try:
         info = recording_info(path)

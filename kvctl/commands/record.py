@@ -88,14 +88,11 @@ def command(**params: Any) -> None:
     from ..errors import TransportError, UsageError
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import LiveSource, Summary, run
+    from ..recording.disk import OutputExists
+    from ..recording.layout import leftover_journals, output_conflict
+    from ..recording.writer import RecordingWriter
     from ..redact import redact_argv, redact_url, shown_sources
     from ..session import Interrupted, make_filters, make_limits, open_source
-    from ..transports.files import (
-        OutputExists,
-        RecordingWriter,
-        leftover_journals,
-        output_conflict,
-    )
 
     rotate_size = _parse(params["rotate_size"], _SIZE_UNITS, "size (e.g. 512M)")
     rotate_every = _parse(params["rotate_every"], _TIME_UNITS, "time interval (e.g. 5m)")

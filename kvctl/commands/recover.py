@@ -42,14 +42,11 @@ def command(path: str, output: str | None, as_json: bool, quiet: bool) -> None:
     """
     from ..errors import TransportError
     from ..output import dumps
-    from ..transports.files import (
-        NotAJournal,
-        NotARecording,
-        OutputExists,
-        RecorderRunning,
-        recording_info,
-        recover,
-    )
+    from ..recording.disk import OutputExists
+    from ..recording.info import recording_info
+    from ..recording.journal import NotAJournal
+    from ..recording.layout import NotARecording
+    from ..recording.recover import RecorderRunning, recover
 
     try:
         recovered = recover(path, output)

@@ -83,7 +83,8 @@ def command(**params: Any) -> None:
       kvctl replay run.parquet --to tcp://127.0.0.1:5557 --topspeed --loop 5 --unique-hashes
     """
     from ..output import StderrDiagnostics
-    from ..pipeline import RecordingSource, Schedule
+    from ..pipeline import Schedule
+    from ..recording.source import RecordingSource
     from ..session import Interrupted, make_filters
     from ..targets import Sender
 

@@ -192,10 +192,10 @@ def command(**params: Any) -> None:
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import Schedule
     from ..publishing import say_delivery, stall_warning, transport_notice
+    from ..recording.layout import output_conflict
     from ..redact import redact_argv, redact_url
     from ..session import Interrupted
     from ..targets import RecordingTarget, open_target
-    from ..transports.files import output_conflict
 
     if params["output"]:  # before any work: nothing of the user's is replaced unasked
         conflict = output_conflict(params["output"], segmented=False, overwrite=params["overwrite"])

@@ -1,0 +1,264 @@
+"""Journal -> Parquet: the conversion ``kvctl record`` runs in its converter process
+(:mod:`kvctl.recording.converter`), at close, and ``kvctl recover`` runs on what a crash left.
+
+Raw journal rows are re-decoded with :func:`kvctl.formats.decode_zmq` /
+:func:`kvctl.formats.decode_nats` (deterministic: the same events ``tap`` showed), then the
+recorder's filters (journal header) and the ``kept`` cut (``-c`` on the last batch) are applied
+again; exact rows are rebuilt from their JSON. The rows go to a temp file, moved into place
+atomically once complete (:mod:`kvctl.recording.disk`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .. import __version__
+from ..events import Batch
+from ..formats import decode_nats, decode_zmq
+from ..selection import Filters
+from .counts import Counts
+from .disk import fsync_dir, publish, temp_path
+from .journal import journal_metadata, read_journal
+from .rows import batches_to_record_batch
+from .schema import METADATA_KEY, SCHEMA, SCHEMA_VERSION, Gap
+from .tagged_json import from_json_value
+
+DEFAULT_ZSTD_LEVEL = 6
+ROW_GROUP_ROWS = 64 * 1024
+
+# Parquet tuning (bench/record_disk.py): random 64-bit hashes gain nothing from a dictionary,
+# so they go PLAIN (+zstd); monotonic ints delta-encode; token ids (a Zipf-like vocabulary) and
+# all strings use dictionaries. Nested columns are named by their leaf path.
+_DICT = (
+    "source",
+    "topic",
+    "publisher",
+    "worker_id",
+    "dp_rank",
+    "format",
+    "event_index",
+    "recovered",
+    "type",
+    "hash_signed",
+    "token_ids.list.element",
+    "block_size",
+    "lora_id",
+    "lora_name",
+    "medium",
+    "storage_tier",
+    "fields",
+    "error",
+    "frames_codec",
+)
+_DELTA = ("recv_ns", "seq", "batch_index", "event_id")
+
+
+def parquet_options(compression_level: int) -> dict[str, Any]:
+    """``pyarrow.parquet.ParquetWriter`` options for a recording file."""
+    return {
+        "compression": "zstd",
+        "compression_level": compression_level,
+        "use_dictionary": list(_DICT),
+        "column_encoding": dict.fromkeys(_DELTA, "DELTA_BINARY_PACKED"),
+    }
+
+
+class Decoder:
+    """Journal record batches -> record batches of the Parquet schema, in order.
+
+    Raw rows are re-decoded, filtered and cut exactly as the recorder's pipeline did; exact
+    rows are rebuilt from their JSON. Journals of the first format (already one row per event)
+    pass through unchanged."""
+
+    SLICE = 256  # messages decoded at once
+
+    def __init__(self, info: dict[str, Any], raw_frames: str | None = None) -> None:
+        self.next_index = int(info.get("first_batch_index") or 0)
+        self.raw_frames = raw_frames or info.get("raw_frames") or "auto"
+        spec = info.get("filters") or {}
+        self.filters: Filters | None = None
+        if spec.get("types") or spec.get("workers"):
+            self.filters = Filters(
+                types=frozenset(spec.get("types") or ()),
+                workers=frozenset(spec.get("workers") or ()),
+            )
+        self.labels = {k: from_json_value(v) for k, v in (info.get("labels") or {}).items()}
+        self.mismatches = 0
+
+    def convert(self, rb: pa.RecordBatch) -> pa.RecordBatch:
+        if "event_index" in rb.schema.names:  # a format-1 journal: event rows already
+            return rb
+        if rb.num_rows > self.SLICE:  # decoded events are big Python objects: a few at once
+            parts = [
+                self.convert(rb.slice(i, self.SLICE)) for i in range(0, rb.num_rows, self.SLICE)
+            ]
+            return pa.Table.from_batches(parts, SCHEMA).combine_chunks().to_batches()[0]
+        items = self.items(rb)
+        out = batches_to_record_batch(items, self.next_index, self.raw_frames)
+        self.next_index += sum(1 for b in items if type(b) is not Gap)
+        return out
+
+    def items(self, rb: pa.RecordBatch) -> list[Batch | Gap]:
+        d = {
+            name: rb.column(name).to_pylist()
+            for name in (
+                "recv_ns",
+                "source",
+                "topic",
+                "worker_id",
+                "dp_rank",
+                "recovered",
+                "frames",
+                "events",
+                "exact",
+            )
+        }
+        out: list[Batch | Gap] = []
+        labels: dict[str | None, Any] = {}
+        filters = self.filters
+        for i, exact in enumerate(d["exact"]):
+            if exact is not None:
+                out.append(_from_exact(exact, d["frames"][i]))
+                continue
+            source, frames, recv_ns = d["source"][i], d["frames"][i] or [], d["recv_ns"][i]
+            if source.startswith(("nats://", "tls://")) and len(frames) == 1:
+                batch = decode_nats(d["topic"][i], frames[0], source, recv_ns)
+            else:
+                w, dp = d["worker_id"][i], d["dp_rank"][i]
+                if w is None and dp is None:
+                    w_label, dp_label = self.labels.get(source) or (None, None)
+                else:
+                    if w not in labels:
+                        labels[w] = from_json_value(json.loads(w)) if w is not None else None
+                    if dp not in labels:
+                        labels[dp] = from_json_value(json.loads(dp)) if dp is not None else None
+                    w_label, dp_label = labels[w], labels[dp]
+                batch = decode_zmq(frames, source, recv_ns, w_label, dp_label)
+            if d["recovered"][i]:
+                batch.recovered = True
+            # What the pipeline kept: the filters' events, cut by -c on the last batch.
+            events = filters.apply(batch) if filters is not None else batch.events
+            n = d["events"][i]
+            if len(events) != n:
+                events = events[:n]
+                if len(events) != n:
+                    self.mismatches += 1  # cannot happen with kvctl's decoders: flagged
+            batch.events = events
+            out.append(batch)
+        return out
+
+
+def _from_exact(text: str, frames: list[bytes] | None) -> Batch | Gap:
+    fields = from_json_value(json.loads(text))
+    kind = fields.pop("kind")
+    if kind == "gap":
+        return Gap(**fields)
+    return Batch(**fields, frames=list(frames or []))
+
+
+def event_batches(path: str | os.PathLike[str]) -> Iterator[pa.RecordBatch]:
+    """The Parquet-schema record batches of a journal (decoded on the fly; torn tail ok)."""
+    decoder = Decoder(journal_metadata(path))
+    for rb in read_journal(path):
+        yield decoder.convert(rb)
+
+
+_JOURNAL_ONLY = ("journal_format", "first_batch_index", "raw_frames", "writer_pid")
+
+
+class ParquetOutput:
+    """One Parquet file being written from a journal: temp file, row groups of ~64k rows,
+    then metadata + fsync + atomic rename + journal removal in :meth:`finish`."""
+
+    def __init__(self, target: Path, compression_level: int = DEFAULT_ZSTD_LEVEL) -> None:
+        self.target = target
+        self.tmp = temp_path(target)
+        self.counts = Counts()
+        try:
+            self.writer = pq.ParquetWriter(self.tmp, SCHEMA, **parquet_options(compression_level))
+        except BaseException:  # a full disk fails on the header: leave no empty temp file
+            self.tmp.unlink(missing_ok=True)
+            raise
+        self.pending: list[pa.RecordBatch] = []
+        self.pending_rows = 0
+
+    def add(self, rb: pa.RecordBatch) -> None:
+        if not rb.num_rows:
+            return
+        self.counts.add_record_batch(rb)
+        self.pending.append(rb)
+        self.pending_rows += rb.num_rows
+        if self.pending_rows >= ROW_GROUP_ROWS:
+            self._write()
+
+    def _write(self) -> None:
+        if self.pending:
+            self.writer.write_table(pa.Table.from_batches(self.pending, SCHEMA))
+            self.pending, self.pending_rows = [], 0
+
+    def finish(
+        self, info: dict[str, Any], journal: Path | None, overwrite: bool = False
+    ) -> dict[str, Any]:
+        """Complete the file and move it into place; only then remove ``journal``. An
+        existing target is replaced only with ``overwrite`` (else :class:`OutputExists`,
+        and the journal stays)."""
+        try:
+            self._write()
+            meta = {k: v for k, v in info.items() if k not in _JOURNAL_ONLY}
+            meta.update(
+                kvctl_version=__version__,
+                schema_version=SCHEMA_VERSION,
+                counts=self.counts.as_dict(),
+            )
+            self.writer.add_key_value_metadata({METADATA_KEY: json.dumps(meta)})
+            self.writer.close()
+            with open(self.tmp, "rb") as f:
+                os.fsync(f.fileno())
+        except BaseException:
+            self.abort()
+            raise
+        try:
+            publish(self.tmp, self.target, overwrite)
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(self.target.parent)
+        if journal is not None:
+            journal.unlink(missing_ok=True)
+        meta["bytes"] = self.target.stat().st_size
+        return meta
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def journal_to_parquet(
+    journal: Path,
+    target: Path,
+    info: dict[str, Any],
+    compression_level: int = DEFAULT_ZSTD_LEVEL,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Convert a whole (possibly torn) journal in this process; returns the file's metadata
+    (with counts, and ``mismatches`` if a re-decoded message disagreed with the journal)."""
+    decoder = Decoder(journal_metadata(journal) or info)
+    out = ParquetOutput(target, compression_level)
+    try:
+        for rb in read_journal(journal):
+            out.add(decoder.convert(rb))
+    except BaseException:
+        out.abort()
+        raise
+    if decoder.mismatches:
+        info = {**info, "mismatches": decoder.mismatches}
+    return out.finish(info, journal, overwrite)
