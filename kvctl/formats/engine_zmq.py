@@ -387,7 +387,8 @@ def rebuild_frames(recipe: str, batch: Batch) -> list[bytes]:
     """The frames :func:`frames_recipe` vouched for, from the batch read back."""
     payload = _rebuilt_payload(batch.ts, batch.events, batch.dp_rank, batch.format, int(recipe[-1]))
     if recipe.startswith("zmq"):
-        assert batch.seq is not None  # frames_recipe names a zmq recipe only with a seq
+        if batch.seq is None:  # frames_recipe names a zmq recipe only with a seq: a doctored row
+            raise TypeError(f"frames recipe {recipe} on a batch without seq")
         return [batch.topic.encode("utf-8", "surrogatepass"), batch.seq.to_bytes(8, "big"), payload]
     return [payload]
 

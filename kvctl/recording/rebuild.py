@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..events import Batch, Event
-from .schema import BATCH_COLUMNS, COLUMN_NAMES, GAP, I63, U64, Gap, rebuild_frames
+from ..formats import rebuild_frames
+from .schema import BATCH_COLUMNS, COLUMN_NAMES, GAP, I63, U64, Gap
 from .tagged_json import from_json_value
 
 

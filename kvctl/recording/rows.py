@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from ..events import MAX_DEPTH, Batch, Event
+from ..formats import frames_recipe
 from .schema import (
     BATCH_COLUMNS,
     COLUMN_NAMES,
@@ -31,7 +32,6 @@ from .schema import (
     SCHEMA,
     U64,
     Gap,
-    frames_codec,
 )
 from .tagged_json import NestingTooDeep, dumps, to_json_value
 
@@ -215,7 +215,7 @@ def _add_batch(cols: _Columns, batch: Batch, index: int, raw_frames: str) -> Non
     if type(batch.recovered) is not bool:
         bx["recovered"] = to_json_value(batch.recovered)
     frames = [bytes(f) for f in batch.frames]
-    codec = frames_codec(batch) if raw_frames == "auto" else None
+    codec = frames_recipe(batch) if raw_frames == "auto" else None
     events = batch.events
     n = max(1, len(events))
     for name, v in zip(BATCH_COLUMNS, values, strict=True):

@@ -17,11 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import pyarrow as pa
-
-from ..events import Batch, Event
-from ..formats import engine_zmq
 
 SCHEMA_VERSION = 1
 """Bump on any incompatible change of column meaning; readers check it."""
@@ -110,56 +106,6 @@ class Gap:
     @property
     def missing(self) -> int:
         return self.to_seq - self.from_seq + 1
-
-
-# --- raw frames rebuilt from the columns --------------------------------------------------------
-
-# frames_codec values: frames are exactly ``engine_zmq.encode_frames``/the bare payload of
-# the decoded batch (checked byte for byte when written). "zmq3" = [topic, seq, payload] with
-# a 3-element payload, "zmq2" = vLLM 0.9's 2-element payload; "nats3"/"nats2": payload only.
-
-
-def frames_codec(batch: Batch) -> str | None:
-    """Name the recipe that rebuilds ``batch.frames`` from its columns, if one does exactly."""
-    fmt = batch.format
-    if batch.error is not None or fmt not in (engine_zmq.MAP_FORM, engine_zmq.ARRAY_FORM):
-        return None
-    frames = batch.frames
-    if len(frames) == 3:
-        kind = "zmq"
-        if batch.seq is None or frames[1] != batch.seq.to_bytes(8, "big"):
-            return None
-        if frames[0] != batch.topic.encode("utf-8", "surrogatepass"):
-            return None
-        payload = frames[2]
-    elif len(frames) == 1:
-        kind, payload = "nats", frames[0]
-    else:
-        return None
-    for n in (3, 2):
-        try:
-            rebuilt = _build_payload(batch.ts, batch.events, batch.dp_rank, fmt, n)
-        except Exception:  # an odd value msgpack refuses: keep the raw bytes
-            return None
-        if rebuilt == payload:
-            return f"{kind}{n}"
-    return None
-
-
-def _build_payload(ts: Any, events: list[Event], dp_rank: Any, fmt: str, n: int) -> bytes:
-    # Array-form events were decoded into dicts in positional order: values() is the array.
-    wire = events if fmt == engine_zmq.MAP_FORM else [list(e.values()) for e in events]
-    return msgpack.packb([ts, wire, dp_rank] if n == 3 else [ts, wire])
-
-
-def rebuild_frames(codec: str, batch: Batch) -> list[bytes]:
-    """The raw frames of ``batch`` from its columns, by the recipe ``codec`` names."""
-    payload = _build_payload(batch.ts, batch.events, batch.dp_rank, batch.format, int(codec[-1]))
-    if codec.startswith("zmq"):
-        if batch.seq is None:  # frames_codec names a zmq recipe only for a batch with a seq
-            raise TypeError(f"frames_codec {codec} on a row without seq")
-        return [batch.topic.encode("utf-8", "surrogatepass"), batch.seq.to_bytes(8, "big"), payload]
-    return [payload]
 
 
 def schema_table() -> str:
