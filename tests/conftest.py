@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -279,10 +280,10 @@ def free_port_range(count: int) -> int:
     raise RuntimeError("no free port range")
 
 
-def serve_replays_until_exit(replay, proc: subprocess.Popen, timeout: float = 15) -> None:
-    """Answer a kvctl process's replay requests (a test's stand-in for an engine's replay
-    ROUTER) until it exits; bounded in time."""
+def serve_replays_until(replay, done: Callable[[], bool], timeout: float = 15) -> None:
+    """Answer kvctl's replay requests (a test's stand-in for an engine's replay ROUTER) as
+    they arrive, until ``done()`` (kvctl has ended); bounded in time."""
     deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        replay.serve_pending()
-        time.sleep(0.01)
+    while not done() and time.monotonic() < deadline:
+        if replay.socket.poll(50):  # a request, or after 50 ms a look at done()
+            replay.serve_pending()
