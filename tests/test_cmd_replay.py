@@ -11,7 +11,7 @@ from collections.abc import Callable
 import msgpack
 import pytest
 import zmq
-from conftest import Engine, finish, free_port, removed, start_kvctl, stored
+from conftest import Engine, finish, free_port, removed, start_draining, start_kvctl, stored
 from inprocess import Live, run_main
 from test_tap_nats import wait_ready
 
@@ -63,7 +63,15 @@ def replay_into_tap(path, *replay_args: str, tap_args: tuple = ()) -> tuple[list
     port = free_port()
     to = f"tcp://127.0.0.1:{port}"
     tap = start_kvctl(
-        "tap", to, "--json", "--idle-timeout", "1.5", "--connect-timeout", "10", *tap_args
+        "tap",
+        to,
+        "--json",
+        "--idle-timeout",
+        "1.5",
+        "--connect-timeout",
+        "10",
+        *tap_args,
+        drain=True,
     )
     replay = run_main(
         "replay", str(path), "--to", to, "--wait-subscribers", "1", "--json", *replay_args
@@ -241,6 +249,7 @@ def test_dynamo_targets_decode_with_correct_tokens_hash(nats_server, tmp_path):
     writer.close()
     tap = start_kvctl("tap", nats_server.url, "--json", "-c", "2")
     wait_ready(tap)
+    start_draining(tap)  # while kvctl runs in-process
     result = run_main(
         "replay",
         str(path),
@@ -296,7 +305,14 @@ def test_bridge_array_engine_to_map_form(endpoint):
     engine = Engine(endpoint, encoding="vllm-array")
     out_port = free_port()
     tap = start_kvctl(
-        "tap", f"tcp://127.0.0.1:{out_port}", "--json", "-c", "3", "--connect-timeout", "10"
+        "tap",
+        f"tcp://127.0.0.1:{out_port}",
+        "--json",
+        "-c",
+        "3",
+        "--connect-timeout",
+        "10",
+        drain=True,
     )
 
     def publish(_: Live) -> None:
@@ -334,6 +350,7 @@ def test_bridge_engine_to_dynamo_on_nats(endpoint, nats_server):
     engine = Engine(endpoint)
     tap = start_kvctl("tap", nats_server.url, "--json", "-c", "2")
     wait_ready(tap)
+    start_draining(tap)  # while kvctl runs in-process
 
     def publish(_: Live) -> None:
         engine.wait_for()
