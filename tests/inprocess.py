@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from io import BytesIO
+from typing import Any
 
 from click import formatting
 from click.testing import CliRunner
@@ -145,3 +146,10 @@ def run_main(
         raise side_error[0]
     assert interrupter.reason is None, f"{interrupter.reason}; stderr: {result.err}"
     return result
+
+
+def run_while(send: Callable[[], object], *args: str, **options: Any) -> tuple[int, str, str]:
+    """kvctl ``args`` in-process while ``send`` (say, an engine waiting for kvctl to subscribe,
+    then publishing) runs alongside: ``(exit code, stdout, stderr)``, as ``finish`` returns."""
+    result = run_main(*args, alongside=lambda _: send(), **options)
+    return result.code, result.out, result.err
