@@ -129,12 +129,13 @@ def test_json_snapshots_sorted(engine):
 
 
 def test_gap_and_malformed_show_on_the_worker_row(engine):
-    proc = start_kvctl("top", engine.endpoint, "--json", "-c", "2", "--refresh", "5")
-    engine.wait_for()
-    engine.send([stored([1])], topic=b"kv@a@m")
-    engine.send_raw([b"kv@a@m", (1).to_bytes(8, "big"), b"\xc1"])  # malformed
-    engine.send([stored([2], parent=1)], topic=b"kv@a@m", seq=7)  # gap: 1 (bad) .. 6
-    rc, out, err = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        engine.send([stored([1])], topic=b"kv@a@m")
+        engine.send_raw([b"kv@a@m", (1).to_bytes(8, "big"), b"\xc1"])  # malformed
+        engine.send([stored([2], parent=1)], topic=b"kv@a@m", seq=7)  # gap: 1 (bad) .. 6
+
+    rc, out, err = run_while(send, "top", engine.endpoint, "--json", "-c", "2", "--refresh", "5")
     assert rc == 0, err
     rows = {w["worker"]: w for w in json.loads(out.splitlines()[-1])["workers"]}
     assert rows["a[dp0]"]["gaps"] == 1 and rows["a[dp0]"]["last_seq"] == 7
