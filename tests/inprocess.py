@@ -97,6 +97,8 @@ def run_main(
     assert threading.current_thread() is threading.main_thread(), "kvctl runs in the main thread"
     runner = CliRunner()
     previous = signal.getsignal(signal.SIGTERM)  # main() installs its own handler
+    argv = sys.argv
+    sys.argv = ["kvctl", *args]  # record and simulate keep the command line in the recording
     interrupter = _Interrupter()
     side_error: list[BaseException] = []
     side: threading.Thread | None = None
@@ -142,6 +144,7 @@ def run_main(
                 assert not side.is_alive(), f"the other side did not end; stderr: {result.err}"
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sys.argv = argv
     if side_error:
         raise side_error[0]
     assert interrupter.reason is None, f"{interrupter.reason}; stderr: {result.err}"
