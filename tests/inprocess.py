@@ -11,6 +11,7 @@ Ctrl-C would) and fails the test when it overstays."""
 
 from __future__ import annotations
 
+import io
 import signal
 import sys
 import threading
@@ -105,6 +106,7 @@ def run_main(
     try:
         with runner.isolation(env=env) as (out, err, _):
             formatting.FORCED_WIDTH = None  # help as wide as when piped, not CliRunner's 80
+            assert isinstance(sys.stderr, io.TextIOWrapper)
             sys.stderr.reconfigure(line_buffering=True)  # as Python's own stderr
             live = Live(out, err)
             if alongside is not None:
