@@ -148,7 +148,8 @@ def run_main(
         signal.signal(signal.SIGTERM, previous)
         sys.argv = argv
     if side_error:
-        raise side_error[0]
+        failure = f"the other side failed; kvctl stderr: {result.err}"
+        raise AssertionError(failure) from side_error[0]
     assert interrupter.reason is None, f"{interrupter.reason}; stderr: {result.err}"
     return result
 
