@@ -9,8 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,18 +49,61 @@ def run_kvctl(
     )
 
 
-def start_kvctl(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
+def start_kvctl(*args: str, env: dict | None = None, drain: bool = False) -> subprocess.Popen:
+    """kvctl as a process, its stdout and stderr piped. With ``drain``, threads read the pipes
+    from the start (for :func:`finish`): a process whose pipes nobody reads while the test
+    runs kvctl in-process would block writing, a stall no user's terminal causes."""
+    proc = subprocess.Popen(
         kvctl_cmd(*args),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, **(env or {})},
         cwd=REPO,
     )
+    if drain:
+        start_draining(proc)
+    return proc
+
+
+def start_draining(proc: subprocess.Popen) -> None:
+    """Threads read the process's pipes from now on (see :func:`start_kvctl`)."""
+    _drained[proc] = [_Drain(proc.stdout), _Drain(proc.stderr)]
+
+
+class _Drain(threading.Thread):
+    """Reads one pipe to its end."""
+
+    def __init__(self, pipe) -> None:
+        super().__init__(daemon=True)
+        self.pipe = pipe
+        self.data = b""
+        self.start()
+
+    def run(self) -> None:
+        self.data = self.pipe.read()
+
+
+_drained: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""A process started with ``drain`` -> the readers of its stdout and stderr."""
 
 
 def finish(proc: subprocess.Popen, timeout: float = 20) -> tuple[int, str, str]:
     """Wait for a kvctl process (killing it if it overstays) and return (rc, stdout, stderr)."""
+    readers = _drained.pop(proc, None)
+    if readers is not None:
+        overstayed = False
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            overstayed = True
+        for reader in readers:
+            reader.join(10)
+        out, err = (reader.data for reader in readers)
+        if overstayed:
+            raise AssertionError(f"kvctl did not stop within {timeout}s; stderr: {err.decode()}")
+        return proc.returncode, out.decode(), err.decode()
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -279,10 +324,10 @@ def free_port_range(count: int) -> int:
     raise RuntimeError("no free port range")
 
 
-def serve_replays_until_exit(replay, proc: subprocess.Popen, timeout: float = 15) -> None:
-    """Answer a kvctl process's replay requests (a test's stand-in for an engine's replay
-    ROUTER) until it exits; bounded in time."""
+def serve_replays_until(replay, done: Callable[[], bool], timeout: float = 15) -> None:
+    """Answer kvctl's replay requests (a test's stand-in for an engine's replay ROUTER) as
+    they arrive, until ``done()`` (kvctl has ended); bounded in time."""
     deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        replay.serve_pending()
-        time.sleep(0.01)
+    while not done() and time.monotonic() < deadline:
+        if replay.socket.poll(50):  # a request, or after 50 ms a look at done()
+            replay.serve_pending()

@@ -1,10 +1,10 @@
-"""kvctl check wired to real ZMQ publishers, run as a subprocess: live findings, the report,
-exit codes. Per-rule logic is covered by test_checks.py; this is about the command."""
+"""kvctl check wired to real ZMQ publishers (in-process, the publisher in a thread; Ctrl-C in
+a subprocess): live findings, the report, exit codes. Per-rule logic is covered by
+test_checks.py; this is about the command."""
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -15,11 +15,10 @@ from conftest import (
     interrupt,
     read_line,
     removed,
-    run_kvctl,
     start_kvctl,
     stored,
 )
-from inprocess import run_main
+from inprocess import Live, run_main
 
 from kvctl.events import Batch
 from kvctl.pipeline import run
@@ -46,14 +45,25 @@ def publish_broken(engine: Engine) -> int:
     return 7
 
 
+def publishing_broken(engine: Engine) -> None:
+    engine.wait_for()
+    publish_broken(engine)
+
+
 EXPECTED_ERRORS = {"KV001", "KV101", "KV102", "KV201", "KV202", "KV301"}
 
 
 def test_broken_stream_findings_print_live_and_exit_3(engine):
-    proc = start_kvctl("check", engine.endpoint, "--block-size", "4", "-c", "7")
-    engine.wait_for()
-    publish_broken(engine)
-    rc, out, err = finish(proc)
+    result = run_main(
+        "check",
+        engine.endpoint,
+        "--block-size",
+        "4",
+        "-c",
+        "7",
+        alongside=lambda _: publishing_broken(engine),
+    )
+    rc, out, err = result.code, result.out, result.err
     assert rc == 3, err
     finding_lines = [line for line in err.splitlines() if line.startswith("kvctl: KV")]
     ids = {line.split()[1] for line in finding_lines}
@@ -70,10 +80,17 @@ def test_broken_stream_findings_print_live_and_exit_3(engine):
 
 
 def test_json_report_is_one_object(engine):
-    proc = start_kvctl("check", engine.endpoint, "--block-size", "4", "-c", "7", "--json")
-    engine.wait_for()
-    publish_broken(engine)
-    rc, out, err = finish(proc)
+    result = run_main(
+        "check",
+        engine.endpoint,
+        "--block-size",
+        "4",
+        "-c",
+        "7",
+        "--json",
+        alongside=lambda _: publishing_broken(engine),
+    )
+    rc, out, err = result.code, result.out, result.err
     assert rc == 3, err
     rep = report(out)
     assert rep["ok"] is False and rep["failed"] is True and rep["exit_code"] == 3
@@ -91,7 +108,14 @@ def test_json_report_is_one_object(engine):
 
 
 def test_clean_stream_exits_0(engine):
-    proc = start_kvctl(
+    def publish(_: Live) -> None:
+        engine.wait_for()
+        engine.send([stored([1, 2])])
+        engine.send([stored([3], parent=2), removed([1])])
+        engine.send([stored([4], parent=3), {"type": "AllBlocksCleared"}])
+        engine.send([stored([10])])
+
+    result = run_main(
         "check",
         engine.endpoint,
         "--block-size",
@@ -102,24 +126,24 @@ def test_clean_stream_exits_0(engine):
         "1",
         "-c",
         "6",
+        alongside=publish,
     )
-    engine.wait_for()
-    engine.send([stored([1, 2])])
-    engine.send([stored([3], parent=2), removed([1])])
-    engine.send([stored([4], parent=3), {"type": "AllBlocksCleared"}])
-    engine.send([stored([10])])
-    rc, out, err = finish(proc)
+    rc, out, err = result.code, result.out, result.err
     assert rc == 0, err
     assert "KV" not in err and "OK: 0 errors, 0 warnings, 0 infos" in out
 
 
 @pytest.mark.parametrize("fail_on,code", [("error", 0), ("warning", 3)])
 def test_warnings_exit_0_unless_fail_on_warning(engine, fail_on, code):
-    proc = start_kvctl("check", engine.endpoint, "-c", "2", "--json", "--fail-on", fail_on)
-    engine.wait_for()
-    engine.send([stored([1])])
-    engine.send([stored([1])])  # KV103 duplicate store: a warning
-    rc, out, err = finish(proc)
+    def publish(_: Live) -> None:
+        engine.wait_for()
+        engine.send([stored([1])])
+        engine.send([stored([1])])  # KV103 duplicate store: a warning
+
+    result = run_main(
+        "check", engine.endpoint, "-c", "2", "--json", "--fail-on", fail_on, alongside=publish
+    )
+    rc, out, err = result.code, result.out, result.err
     rep = report(out)
     assert rc == code, err
     assert [r["id"] for r in rep["rules"]] == ["KV103"] and rep["warnings"] == 1
@@ -127,12 +151,14 @@ def test_warnings_exit_0_unless_fail_on_warning(engine, fail_on, code):
 
 
 def test_gap_from_a_real_socket(engine):
-    proc = start_kvctl("check", engine.endpoint, "-c", "3", "--json", "-q")
-    engine.wait_for()
-    engine.send([stored([1])])
-    engine.send([stored([2], parent=1)], seq=5)  # seqs 1..4 never sent
-    engine.send([stored([3], parent=2)])
-    rc, out, err = finish(proc)
+    def publish(_: Live) -> None:
+        engine.wait_for()
+        engine.send([stored([1])])
+        engine.send([stored([2], parent=1)], seq=5)  # seqs 1..4 never sent
+        engine.send([stored([3], parent=2)])
+
+    result = run_main("check", engine.endpoint, "-c", "3", "--json", "-q", alongside=publish)
+    rc, out, err = result.code, result.out, result.err
     assert rc == 3 and err == ""  # -q: nothing on stderr
     rep = report(out)
     assert [r["id"] for r in rep["rules"]] == ["KV301"]
@@ -144,9 +170,22 @@ def test_gap_from_a_real_socket(engine):
 
 def test_expected_worker_silent_is_reported_within_idle_timeout(endpoint):
     talker, silent = Engine(endpoint), Engine(f"tcp://127.0.0.1:{free_port()}")
-    lines: list[tuple[float, str]] = []
+    seen_at: dict[str, float] = {}  # each KV306 line -> when it first appeared on stderr
+
+    def talk(live: Live) -> None:
+        talker.wait_for()
+        silent.wait_for()
+        h = 1
+        while not live.ended.is_set() and h < 400:  # the talker never goes quiet: no idle stop
+            talker.send([stored([h])] if h == 1 else [stored([h], parent=h - 1)])
+            h += 1
+            for line in live.stderr().splitlines():
+                if "KV306" in line:
+                    seen_at.setdefault(line, time.monotonic())
+            time.sleep(0.05)  # the talker's pace, not a wait for anything
+
     try:
-        proc = start_kvctl(
+        result = run_main(
             "check",
             f"0={talker.endpoint}",
             f"1={silent.endpoint}",
@@ -156,41 +195,34 @@ def test_expected_worker_silent_is_reported_within_idle_timeout(endpoint):
             "1",
             "--duration",
             "3.5",
+            alongside=talk,
         )
-        talker.wait_for()
-        silent.wait_for()
-
-        def collect() -> None:
-            for raw in proc.stderr:
-                lines.append((time.monotonic(), raw.decode()))
-
-        reader = threading.Thread(target=collect, daemon=True)
-        reader.start()
-        h = 1
-        while proc.poll() is None and h < 400:  # the talker never goes quiet: no idle stop
-            talker.send([stored([h])] if h == 1 else [stored([h], parent=h - 1)])
-            h += 1
-            time.sleep(0.05)
-        out = proc.stdout.read().decode()
-        proc.wait(timeout=10)
-        reader.join(timeout=5)
         ended = time.monotonic()
     finally:
         talker.close()
         silent.close()
-    assert proc.returncode == 3, "".join(t for _, t in lines)
-    kv306 = [(t, x) for t, x in lines if "KV306" in x]
-    assert any(f"source {silent.endpoint} published nothing" in x for _, x in kv306)
-    assert any("1 of 2 expected workers published events" in x for _, x in kv306)
+    assert result.code == 3, result.err
+    kv306 = [x for x in result.err.splitlines() if "KV306" in x]
+    assert any(f"source {silent.endpoint} published nothing" in x for x in kv306)
+    assert any("1 of 2 expected workers published events" in x for x in kv306)
     # printed live, ~1 s in, well before the 3.5 s run ended
-    assert all(ended - t > 1.2 for t, _ in kv306), kv306
+    assert all(ended - seen_at.get(line, ended) > 1.2 for line in kv306), (seen_at, ended)
+    out = result.out
     assert "KV306" in out and "worker-silent" in out and "stopped by --duration" in out
 
 
 def test_worker_filter_checks_only_that_worker(endpoint):
     good, bad = Engine(endpoint), Engine(f"tcp://127.0.0.1:{free_port()}")
+
+    def publish(_: Live) -> None:
+        good.wait_for()
+        bad.wait_for()
+        bad.send([removed([42])], dp_rank=None)  # KV101, but filtered out
+        good.send([stored([1])], dp_rank=None)
+        good.send([removed([1])], dp_rank=None)
+
     try:
-        proc = start_kvctl(
+        result = run_main(
             "check",
             f"0={good.endpoint}",
             f"1={bad.endpoint}",
@@ -199,25 +231,20 @@ def test_worker_filter_checks_only_that_worker(endpoint):
             "--json",
             "--idle-timeout",
             "1",
+            alongside=publish,
         )
-        good.wait_for()
-        bad.wait_for()
-        bad.send([removed([42])], dp_rank=None)  # KV101, but filtered out
-        good.send([stored([1])], dp_rank=None)
-        good.send([removed([1])], dp_rank=None)
-        rc, out, err = finish(proc)
     finally:
         good.close()
         bad.close()
-    rep = report(out)
-    assert rc == 0, err
+    rep = report(result.out)
+    assert result.code == 0, result.err
     assert rep["rules"] == [] and rep["workers"] == ["0[dp0]"] and rep["events"] == 2
     assert rep["batches"] == 3  # the filtered-out batch still counted for sequence tracking
 
 
 def test_unreachable_source_is_a_runtime_error():
-    result = run_kvctl("check", f"tcp://127.0.0.1:{free_port()}", "--connect-timeout", "0.3")
-    assert result.returncode == 1 and b"connection refused" in result.stderr
+    result = run_main("check", f"tcp://127.0.0.1:{free_port()}", "--connect-timeout", "0.3")
+    assert result.code == 1 and "connection refused" in result.err
 
 
 def test_feed_hands_over_every_batch_once_with_selected_events():
@@ -247,7 +274,7 @@ def test_feed_hands_over_every_batch_once_with_selected_events():
 
 
 def test_help_lists_rules_and_example():
-    text = run_kvctl("check", "--help").stdout.decode()
+    text = run_main("check", "--help").out
     assert "Example:" in text and "KV306" in text and "worker-silent" in text
 
 

@@ -1,10 +1,12 @@
-"""kvctl record / cat / inspect / recover against real publishers and a real nats-server."""
+"""kvctl record / cat / inspect / recover against real publishers and a real nats-server
+(in-process, the publisher in a thread; kill -9 and SIGTERM in a subprocess)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -13,11 +15,11 @@ from conftest import (
     finish,
     read_line,
     removed,
-    run_kvctl,
-    serve_replays_until_exit,
+    serve_replays_until,
     start_kvctl,
     stored,
 )
+from inprocess import Live, run_main
 from test_tap_nats import publish
 
 from kvctl.formats.dynamo import encode_envelope, encode_json, router_event
@@ -30,10 +32,22 @@ def rows_of(out: str) -> list[dict]:
 
 
 def record_until(engine, path: Path, send, *extra: str) -> tuple[int, str, str]:
-    proc = start_kvctl("record", engine.endpoint, "-o", str(path), "--idle-timeout", "1.5", *extra)
-    engine.wait_for()
-    send()
-    return finish(proc, timeout=60)
+    def publish(_: Live) -> None:
+        engine.wait_for()
+        send()
+
+    result = run_main(
+        "record",
+        engine.endpoint,
+        "-o",
+        str(path),
+        "--idle-timeout",
+        "1.5",
+        *extra,
+        timeout=60,
+        alongside=publish,
+    )
+    return result.code, result.out, result.err
 
 
 def test_record_then_cat_round_trips_every_engine_shape(engine, tmp_path):
@@ -68,9 +82,9 @@ def test_record_then_cat_round_trips_every_engine_shape(engine, tmp_path):
     rc, out, err = record_until(engine, path, send)
     assert rc == 0, err
     assert path.exists() and not Path(str(path) + ".journal").exists()
-    tapped = run_kvctl("cat", str(path), "--json")
-    assert tapped.returncode == 0, tapped.stderr
-    rows = rows_of(tapped.stdout.decode())
+    tapped = run_main("cat", str(path), "--json")
+    assert tapped.code == 0, tapped.err
+    rows = rows_of(tapped.out)
     assert [r["type"] for r in rows] == [
         "BlockStored",
         "BlockRemoved",
@@ -86,14 +100,14 @@ def test_record_then_cat_round_trips_every_engine_shape(engine, tmp_path):
     assert rows[2]["format"] == "engine-array" and rows[2]["parent_block_hash"] == 2
     assert [r["block_hashes"] for r in rows[3:5]] == [[7], [8]]  # SGLang: one page each
     assert rows[5]["block_hashes"] == [h32.hex()] and rows[5]["token_ids"] == [[1, 2], [3, 4]]
-    assert "malformed message" in tapped.stderr.decode()  # cat shows what tap showed
+    assert "malformed message" in tapped.err  # cat shows what tap showed
     # raw bytes: what the recorder received, exactly
     recorded = [b for b in open_recording(path)]
     sent = engine.sent
     assert [b.frames for b in recorded if b.error is None] == sent
     bad = [b for b in recorded if b.error is not None]
     assert len(bad) == 1 and bad[0].frames[2] == b"\xc1garbage"
-    info = json.loads(run_kvctl("inspect", str(path), "--json").stdout)
+    info = json.loads(run_main("inspect", str(path), "--json").out)
     # seqs 4 and 6..8 missing; 5 arrived (malformed: its row says so, not a Gap row)
     assert (info["malformed"], info["gaps"], info["missing"]) == (1, 2, 4)
     assert info["events"] == 8 and info["by_type"]["BlockStored"] == 5
@@ -103,15 +117,13 @@ def test_tap_reads_a_recording_like_a_live_source(engine, tmp_path):
     path = tmp_path / "r.parquet"
     rc, _, err = record_until(engine, path, lambda: engine.send([removed([1]), removed([2])]))
     assert rc == 0, err
-    result = run_kvctl("tap", str(path), "--json", "-c", "1")
-    assert result.returncode == 0
-    assert [r["block_hashes"] for r in rows_of(result.stdout.decode())] == [[1]]
+    result = run_main("tap", str(path), "--json", "-c", "1")
+    assert result.code == 0
+    assert [r["block_hashes"] for r in rows_of(result.out)] == [[1]]
 
 
 def test_record_nats_dynamo_formats(nats_server, tmp_path):
     path = tmp_path / "dyn.parquet"
-    proc = start_kvctl("record", nats_server.url, "-o", str(path), "-c", "3")
-    wait_ready_record(proc)
     ev = {
         "type": "BlockStored",
         "block_hashes": [2**64 - 1],
@@ -119,28 +131,28 @@ def test_record_nats_dynamo_formats(nats_server, tmp_path):
         "token_ids": [1, 2, 3, 4],
         "block_size": 4,
     }
-    publish(
-        nats_server.url,
-        [
-            (
-                "namespace.n.component.c.endpoint.e.kv-events",
-                encode_envelope([router_event(ev, 5, 0)], 5, 0, 1000),
-            ),
-            (
-                "namespace-n-component-c-kv-events.kv-events",
-                encode_json(
-                    router_event({"type": "BlockRemoved", "block_hashes": [2**64 - 1]}, 5, 1)
-                ),
-            ),
-            (
-                "namespace.n.component.c.kv_events",
-                encode_json(router_event({"type": "AllBlocksCleared"}, 6, 2)),
-            ),
-        ],
-    )
-    rc, out, err = finish(proc, timeout=30)
-    assert rc == 0, err
-    rows = rows_of(run_kvctl("cat", str(path), "--json").stdout.decode())
+    messages = [
+        (
+            "namespace.n.component.c.endpoint.e.kv-events",
+            encode_envelope([router_event(ev, 5, 0)], 5, 0, 1000),
+        ),
+        (
+            "namespace-n-component-c-kv-events.kv-events",
+            encode_json(router_event({"type": "BlockRemoved", "block_hashes": [2**64 - 1]}, 5, 1)),
+        ),
+        (
+            "namespace.n.component.c.kv_events",
+            encode_json(router_event({"type": "AllBlocksCleared"}, 6, 2)),
+        ),
+    ]
+
+    def send(live: Live) -> None:
+        wait_ready_record(live)
+        publish(nats_server.url, messages)
+
+    result = run_main("record", nats_server.url, "-o", str(path), "-c", "3", alongside=send)
+    assert result.code == 0, result.err
+    rows = rows_of(run_main("cat", str(path), "--json").out)
     assert [(r["type"], r["worker_id"], r["format"]) for r in rows] == [
         ("BlockStored", 5, "dynamo-msgpack"),
         ("BlockRemoved", 5, "dynamo-json"),
@@ -149,8 +161,12 @@ def test_record_nats_dynamo_formats(nats_server, tmp_path):
     assert rows[0]["block_hashes"] == [2**64 - 1] and rows[0]["tokens_hashes"]
 
 
-def wait_ready_record(proc) -> None:
-    line = read_line(proc.stderr)
+def wait_ready_record(proc: subprocess.Popen | Live) -> None:
+    """record has subscribed: its first stderr line says what it is recording."""
+    if isinstance(proc, Live):
+        line = proc.wait_for_stderr("\n").partition("\n")[0]
+    else:
+        line = read_line(proc.stderr)
     assert line.startswith("kvctl: recording"), line
 
 
@@ -172,10 +188,25 @@ def test_kill_9_loses_at_most_the_last_second(engine, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
     assert not path.exists() and journal.exists()
-    result = run_kvctl("recover", str(path))
-    assert result.returncode == 0, result.stderr
-    rows = rows_of(run_kvctl("cat", str(path), "--json").stdout.decode())
+    result = run_main("recover", str(path))
+    assert result.code == 0, result.err
+    rows = rows_of(run_main("cat", str(path), "--json").out)
     assert [r["block_hashes"][0] for r in rows] == list(range(50))
+
+
+def wait_recorded(path: Path, rows: int, timeout: float = 15) -> None:
+    """Until ``rows`` messages of a segmented recording are on disk: in its open journals or
+    in converted segments (a segment is renamed into place before its journal goes)."""
+    import pyarrow.parquet as pq
+
+    deadline = time.monotonic() + timeout
+    while True:
+        journals = sum(rb.num_rows for j in path.glob(".part-*.journal") for rb in read_journal(j))
+        parts = sum(pq.read_metadata(p).num_rows for p in path.glob("part-*.parquet"))
+        if journals + parts >= rows:
+            return
+        assert time.monotonic() < deadline, f"{journals + parts} of {rows} rows after {timeout}s"
+        time.sleep(0.05)  # files have no push signal
 
 
 def test_sigterm_closes_the_recording_cleanly(engine, tmp_path):
@@ -198,8 +229,8 @@ def test_rotation_writes_a_readable_dataset(engine, tmp_path):
     def send():
         for i in range(400):
             engine.send([stored([i, i + 10_000], block_size=16)])
-            if i % 100 == 99:
-                time.sleep(1.2)  # let a flush happen so that a size rotation can trigger
+            if i % 100 == 99:  # a flush between hundreds, so that a size rotation can trigger
+                wait_recorded(path, i + 1)
 
     rc, out, err = record_until(engine, path, send, "--rotate-size", "4k")
     assert rc == 0, err
@@ -209,30 +240,30 @@ def test_rotation_writes_a_readable_dataset(engine, tmp_path):
     assert len(manifest["segments"]) == len(parts)
     table = ds.dataset(path, format="parquet").to_table(columns=["type", "block_hashes"])
     assert table.num_rows == 400
-    rows = rows_of(run_kvctl("cat", str(path), "--json").stdout.decode())
+    rows = rows_of(run_main("cat", str(path), "--json").out)
     assert [r["block_hashes"][0] for r in rows] == list(range(400))
 
 
 @pytest.mark.parametrize("args", [["--rotate-size", "lots"], ["--rotate-every", "-1"]])
 def test_record_usage_errors(engine, tmp_path, args):
-    result = run_kvctl("record", engine.endpoint, "-o", str(tmp_path / "x.parquet"), *args)
-    assert result.returncode == 2 and b"Traceback" not in result.stderr
+    result = run_main("record", engine.endpoint, "-o", str(tmp_path / "x.parquet"), *args)
+    assert result.code == 2 and "Traceback" not in result.err
 
 
 def test_unreadable_recording_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"not parquet at all")
     for cmd in (["cat", str(bad)], ["inspect", str(bad)]):
-        result = run_kvctl(*cmd)
-        assert result.returncode == 1, cmd
-        assert b"cannot read recording" in result.stderr and b"Traceback" not in result.stderr
+        result = run_main(*cmd)
+        assert result.code == 1, cmd
+        assert "cannot read recording" in result.err and "Traceback" not in result.err
     empty = tmp_path / "not-a-recording"
     empty.mkdir()
     for cmd in (["cat", str(empty)], ["inspect", str(empty)]):
-        result = run_kvctl(*cmd)
-        assert result.returncode == 1 and b"no recording in" in result.stderr, cmd
-    missing = run_kvctl("recover", str(tmp_path / "none.parquet"))
-    assert missing.returncode == 1 and b"no journal" in missing.stderr
+        result = run_main(*cmd)
+        assert result.code == 1 and "no recording in" in result.err, cmd
+    missing = run_main("recover", str(tmp_path / "none.parquet"))
+    assert missing.code == 1 and "no journal" in missing.err
 
 
 def test_filtered_recording_keeps_every_seq(engine, tmp_path):
@@ -245,9 +276,9 @@ def test_filtered_recording_keeps_every_seq(engine, tmp_path):
 
     rc, _, err = record_until(engine, path, send, "--type", "BlockRemoved")
     assert rc == 0, err
-    result = run_kvctl("cat", str(path), "--json")
-    assert [r["block_hashes"] for r in rows_of(result.stdout.decode())] == [[0], [2], [4]]
-    assert "gaps 0" in result.stderr.decode() and "in 6 batches" in result.stderr.decode()
+    result = run_main("cat", str(path), "--json")
+    assert [r["block_hashes"] for r in rows_of(result.out)] == [[0], [2], [4]]
+    assert "gaps 0" in result.err and "in 6 batches" in result.err
 
 
 def test_partly_recovered_gap_records_only_what_stayed_missing(engine, tmp_path):
@@ -257,8 +288,19 @@ def test_partly_recovered_gap_records_only_what_stayed_missing(engine, tmp_path)
 
     path = tmp_path / "gap.parquet"
     replay = ReplayServer(f"tcp://127.0.0.1:{free_port()}")
+
+    def publish(live: Live) -> None:
+        engine.wait_for()
+        for seq in range(6):
+            frames = engine.batch([removed([seq])], seq=seq)
+            if seq != 4:
+                replay.remember(seq, frames[0], frames[2])  # seq 4 is lost for good
+            if seq not in (3, 4):
+                engine.send_raw(frames)  # 3 and 4 never arrive live
+        serve_replays_until(replay, live.ended.is_set)
+
     try:
-        proc = start_kvctl(
+        result = run_main(
             "record",
             engine.endpoint,
             "--replay-endpoint",
@@ -268,33 +310,23 @@ def test_partly_recovered_gap_records_only_what_stayed_missing(engine, tmp_path)
             "-c",
             "4",
             "-q",
+            alongside=publish,
         )
-        engine.wait_for()
-        for seq in range(6):
-            frames = engine.batch([removed([seq])], seq=seq)
-            if seq != 4:
-                replay.remember(seq, frames[0], frames[2])  # seq 4 is lost for good
-            if seq not in (3, 4):
-                engine.send_raw(frames)  # 3 and 4 never arrive live
-        serve_replays_until_exit(replay, proc)
-        rc, _, err = finish(proc)
     finally:
         replay.close()
-    assert rc == 0, err
-    info = json.loads(run_kvctl("inspect", str(path), "--json").stdout)
+    assert result.code == 0, result.err
+    info = json.loads(run_main("inspect", str(path), "--json").out)
     assert (info["gaps"], info["missing"]) == (1, 1)
     assert [(g["from_seq"], g["to_seq"]) for g in info["gap_list"]] == [(4, 4)]
 
 
 def test_unwritable_output_is_a_clear_error(tmp_path):
     recording = tmp_path / "in.parquet"
-    assert (
-        run_kvctl(
-            "simulate", "-o", str(recording), "--workers", "1", "--requests", "3", "-q"
-        ).returncode
-        == 0
+    simulated = run_main(
+        "simulate", "-o", str(recording), "--workers", "1", "--requests", "3", "-q"
     )
+    assert simulated.code == 0, simulated.err
     for target in (tmp_path / "missing-dir" / "x.parquet", "/proc/x.parquet"):
-        result = run_kvctl("record", str(recording), "-o", str(target), "-q")
-        assert result.returncode == 1, result.stderr
-        assert b"cannot write" in result.stderr and b"Traceback" not in result.stderr
+        result = run_main("record", str(recording), "-o", str(target), "-q")
+        assert result.code == 1, result.err
+        assert "cannot write" in result.err and "Traceback" not in result.err

@@ -1,15 +1,18 @@
 """kvctl replay and bridge: recordings and live streams into every target format, on real
-sockets and a real nats-server, read back by kvctl tap or plain pyzmq."""
+sockets and a real nats-server, read back by a kvctl tap process or plain pyzmq (replay and
+bridge in-process, what they talk to in a thread or another process)."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import msgpack
 import pytest
 import zmq
-from conftest import Engine, finish, free_port, removed, run_kvctl, start_kvctl, stored
+from conftest import Engine, finish, free_port, removed, start_draining, start_kvctl, stored
+from inprocess import Live, run_main
 from test_tap_nats import wait_ready
 
 from kvctl.formats import decode_zmq
@@ -57,45 +60,69 @@ def rows_of(out: str) -> list[dict]:
 
 
 def replay_into_tap(path, *replay_args: str, tap_args: tuple = ()) -> tuple[list[dict], dict]:
+    """A kvctl tap process reads what an in-process replay sends."""
     port = free_port()
     to = f"tcp://127.0.0.1:{port}"
-    replay = start_kvctl(
+    tap = start_kvctl(
+        "tap",
+        to,
+        "--json",
+        "--idle-timeout",
+        "1.5",
+        "--connect-timeout",
+        "10",
+        *tap_args,
+        drain=True,
+    )
+    replay = run_main(
         "replay", str(path), "--to", to, "--wait-subscribers", "1", "--json", *replay_args
     )
-    tap = start_kvctl(
-        "tap", to, "--json", "--idle-timeout", "1.5", "--connect-timeout", "10", *tap_args
-    )
-    rc_replay, report, err_replay = finish(replay, timeout=60)
     rc_tap, out, err = finish(tap, timeout=60)
-    assert rc_replay == 0, err_replay
+    assert replay.code == 0, replay.err
     assert rc_tap == 0, err
-    return rows_of(out), json.loads(report)
+    return rows_of(out), json.loads(replay.out)
+
+
+def subscriber(to: str, count: int) -> tuple[list[list[bytes]], Callable[[Live], None]]:
+    """A plain pyzmq SUB connected to ``to`` now, and what receives up to ``count`` messages
+    into the returned list (15 s at most between two) while kvctl runs."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(to)
+    received: list[list[bytes]] = []
+
+    def receive(_: Live) -> None:
+        try:
+            while len(received) < count and sub.poll(15_000):
+                received.append(sub.recv_multipart())
+        finally:
+            sub.close(0)
+
+    return received, receive
 
 
 def test_raw_replay_sends_the_recorded_bytes_in_order(recording):
     path, batches = recording
-    port = free_port()
-    to = f"tcp://127.0.0.1:{port}"
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(to)
-    replay = start_kvctl(
-        "replay", str(path), "--to", to, "--wait-subscribers", "1", "--topspeed", "--json"
+    to = f"tcp://127.0.0.1:{free_port()}"
+    received, receive = subscriber(to, len(batches) + 1)
+    replay = run_main(
+        "replay",
+        str(path),
+        "--to",
+        to,
+        "--wait-subscribers",
+        "1",
+        "--topspeed",
+        "--json",
+        alongside=receive,
     )
-    received = []
-    try:
-        while len(received) < len(batches) + 1 and sub.poll(15_000):
-            received.append(sub.recv_multipart())
-    finally:
-        sub.close(0)
-    rc, report, err = finish(replay)
-    assert rc == 0, err
+    assert replay.code == 0, replay.err
     good = [f for f in received if len(f) == 3 and f[2] != b"\xc1"]
     assert [f[2] for f in good] == [b.frames[2] for b in batches]  # payloads byte for byte
     assert [int.from_bytes(f[1], "big") for f in good] == list(range(len(good)))  # fresh seq
     # bad input replays too, exactly as recorded (its frames are not renumbered)
     assert [f for f in received if f not in good] == [[b"", (99).to_bytes(8, "big"), b"\xc1"]]
-    assert json.loads(report)["batches"] == len(batches) + 1
+    assert json.loads(replay.out)["batches"] == len(batches) + 1
 
 
 def test_replay_into_tap_yields_the_recording(recording):
@@ -125,19 +152,19 @@ def test_every_engine_format_decodes_back(recording, encoding):
 
 def test_speed_scales_the_recorded_timing(recording):
     path, _ = recording
-    result1 = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", "--json")
-    result2 = run_kvctl(
+    result1 = run_main("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", "--json")
+    result2 = run_main(
         "replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", "--json", "--speed", "2"
     )
     recorded = 49 * STEP_NS / 1e9 + 1e-9  # span of the recording (0.98 s)
-    t1 = json.loads(result1.stdout)["elapsed_s"]
-    t2 = json.loads(result2.stdout)["elapsed_s"]
+    t1 = json.loads(result1.out)["elapsed_s"]
+    t2 = json.loads(result2.out)["elapsed_s"]
     assert recorded * 0.95 < t1 < recorded * 1.5
     assert recorded / 2 * 0.95 < t2 < recorded / 2 * 1.5
-    rated = run_kvctl(
+    rated = run_main(
         "replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", "--json", "--rate", "200"
     )
-    assert 50 / 200 * 0.95 < json.loads(rated.stdout)["elapsed_s"] < 50 / 200 * 1.8
+    assert 50 / 200 * 0.95 < json.loads(rated.out)["elapsed_s"] < 50 / 200 * 1.8
 
 
 def test_loop_with_unique_hashes_gives_new_but_chained_blocks(recording):
@@ -223,7 +250,8 @@ def test_dynamo_targets_decode_with_correct_tokens_hash(nats_server, tmp_path):
     writer.close()
     tap = start_kvctl("tap", nats_server.url, "--json", "-c", "2")
     wait_ready(tap)
-    result = run_kvctl(
+    start_draining(tap)  # while kvctl runs in-process
+    result = run_main(
         "replay",
         str(path),
         "--to",
@@ -234,7 +262,7 @@ def test_dynamo_targets_decode_with_correct_tokens_hash(nats_server, tmp_path):
         "rp",
         "--json",
     )
-    assert result.returncode == 0, result.stderr
+    assert result.code == 0, result.err
     rc, out, err = finish(tap)
     rows = rows_of(out)
     assert rows[0]["tokens_hashes"][0] == 9143094415614847814  # tokens [0,1,2,3]
@@ -242,7 +270,7 @@ def test_dynamo_targets_decode_with_correct_tokens_hash(nats_server, tmp_path):
     assert rows[0]["topic"] == "namespace.rp.component.backend.endpoint.generate.kv-events"
     assert rows[1]["type"] == "BlockRemoved" and rows[1]["block_hashes"] == [8]
     # 0.7-0.9 era: JSON on the JetStream subject, read back from history
-    result = run_kvctl(
+    result = run_main(
         "replay",
         str(path),
         "--to",
@@ -252,11 +280,11 @@ def test_dynamo_targets_decode_with_correct_tokens_hash(nats_server, tmp_path):
         "--namespace",
         "old",
     )
-    assert result.returncode == 0, result.stderr
-    history = run_kvctl(
+    assert result.code == 0, result.err
+    history = run_main(
         "tap", nats_server.url, "--from-start", "--json", "-c", "2", "--subject", "nothing.here"
     )
-    rows = [r for r in rows_of(history.stdout.decode()) if r["format"] == "dynamo-json"]
+    rows = [r for r in rows_of(history.out) if r["format"] == "dynamo-json"]
     assert [r["type"] for r in rows] == ["BlockStored", "BlockRemoved"]
     assert rows[0]["topic"] == "namespace-old-component-backend-kv-events.kv-events"
 
@@ -277,30 +305,40 @@ def test_start_end_seq_window_and_count(recording):
 def test_bridge_array_engine_to_map_form(endpoint):
     engine = Engine(endpoint, encoding="vllm-array")
     out_port = free_port()
-    bridge = start_kvctl(
-        "bridge",
-        engine.endpoint,
-        "--to",
+    tap = start_kvctl(
+        "tap",
         f"tcp://127.0.0.1:{out_port}",
-        "--format",
-        "vllm",
+        "--json",
         "-c",
         "3",
-        "--wait-subscribers",
-        "1",
+        "--connect-timeout",
+        "10",
+        drain=True,
     )
-    tap = start_kvctl(
-        "tap", f"tcp://127.0.0.1:{out_port}", "--json", "-c", "3", "--connect-timeout", "10"
-    )
-    try:
+
+    def publish(_: Live) -> None:
         engine.wait_for()  # the bridge subscribes upstream only once tap joined downstream
         engine.send([stored([1, 2], block_size=4), removed([1])])
         engine.send([{"type": "AllBlocksCleared"}])
+
+    try:
+        bridge = run_main(
+            "bridge",
+            engine.endpoint,
+            "--to",
+            f"tcp://127.0.0.1:{out_port}",
+            "--format",
+            "vllm",
+            "-c",
+            "3",
+            "--wait-subscribers",
+            "1",
+            alongside=publish,
+        )
         rc, out, err = finish(tap)
-        rc_b, _, err_b = finish(bridge)
     finally:
         engine.close()
-    assert rc == 0 and rc_b == 0, (err, err_b)
+    assert rc == 0 and bridge.code == 0, (err, bridge.err)
     rows = rows_of(out)
     assert [(r["type"], r["format"]) for r in rows] == [
         ("BlockStored", "engine-map"),
@@ -313,17 +351,28 @@ def test_bridge_engine_to_dynamo_on_nats(endpoint, nats_server):
     engine = Engine(endpoint)
     tap = start_kvctl("tap", nats_server.url, "--json", "-c", "2")
     wait_ready(tap)
-    bridge = start_kvctl(
-        "bridge", f"5={engine.endpoint}", "--to", nats_server.url, "--namespace", "br", "-c", "2"
-    )
-    try:
+    start_draining(tap)  # while kvctl runs in-process
+
+    def publish(_: Live) -> None:
         engine.wait_for()
         engine.send([stored([0xFFFF_FFFF_FFFF_FFF0], block_size=4), removed([-16])])
+
+    try:
+        bridge = run_main(
+            "bridge",
+            f"5={engine.endpoint}",
+            "--to",
+            nats_server.url,
+            "--namespace",
+            "br",
+            "-c",
+            "2",
+            alongside=publish,
+        )
         rc, out, err = finish(tap)
-        rc_b, _, err_b = finish(bridge)
     finally:
         engine.close()
-    assert rc == 0 and rc_b == 0, (err, err_b)
+    assert rc == 0 and bridge.code == 0, (err, bridge.err)
     rows = rows_of(out)
     assert [(r["type"], r["worker_id"], r["block_hashes"]) for r in rows] == [
         ("BlockStored", 5, [2**64 - 16]),
@@ -337,9 +386,9 @@ def test_bridge_engine_to_dynamo_on_nats(endpoint, nats_server):
 )
 def test_replay_usage_errors(recording, args):
     path, _ = recording
-    result = run_kvctl("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", *args)
-    assert result.returncode == 2, result.stderr
-    assert b"Traceback" not in result.stderr
+    result = run_main("replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", *args)
+    assert result.code == 2, result.err
+    assert "Traceback" not in result.err
 
 
 def _event_plane_message(topic: bytes, sequence: int) -> list[bytes]:
@@ -376,10 +425,8 @@ def test_raw_replay_sends_every_zmq_message_as_it_arrived(tmp_path):
     assert kinds[1:3] == [("dynamo-zmq", True)] * 2 and not kinds[3][1] and not kinds[4][1]
 
     to = f"tcp://127.0.0.1:{free_port()}"
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(to)
-    replay = start_kvctl(
+    received, receive = subscriber(to, len(messages))
+    replay = run_main(
         "replay",
         str(path),
         "--to",
@@ -391,17 +438,11 @@ def test_raw_replay_sends_every_zmq_message_as_it_arrived(tmp_path):
         "1",
         "--topspeed",
         "--json",
+        alongside=receive,
     )
-    received = []
-    try:
-        while len(received) < len(messages) and sub.poll(15_000):
-            received.append(sub.recv_multipart())
-    finally:
-        sub.close(0)
-    rc, report, err = finish(replay)
-    assert rc == 0, err
+    assert replay.code == 0, replay.err
     assert received == messages
-    assert json.loads(report)["batches"] == len(messages)
+    assert json.loads(replay.out)["batches"] == len(messages)
 
 
 def test_raw_replay_refuses_nats_messages_in_one_line(tmp_path):
@@ -428,7 +469,7 @@ def test_raw_replay_refuses_nats_messages_in_one_line(tmp_path):
         )
     )
     writer.close()
-    result = run_kvctl(
+    result = run_main(
         "replay",
         str(path),
         "--to",
@@ -437,13 +478,13 @@ def test_raw_replay_refuses_nats_messages_in_one_line(tmp_path):
         "raw",
         "--topspeed",
     )
-    err = result.stderr.decode()
-    assert result.returncode == 2, err
+    err = result.err
+    assert result.code == 2, err
     assert "NATS messages" in err and "--to nats://" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
     # without --format: Dynamo events re-encoded for vLLM, the malformed NATS message skipped
-    result = run_kvctl(
+    result = run_main(
         "replay", str(path), "--to", f"tcp://127.0.0.1:{free_port()}", "--topspeed", "--json"
     )
-    report = json.loads(result.stdout)
-    assert result.returncode == 0 and (report["batches"], report["skipped"]) == (1, 1)
+    report = json.loads(result.out)
+    assert result.code == 0 and (report["batches"], report["skipped"]) == (1, 1)

@@ -1,4 +1,5 @@
-"""kvctl simulate publishing on real sockets, consumed by a real kvctl tap."""
+"""kvctl simulate publishing on real sockets (in-process), consumed by a real kvctl tap (a
+process)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from collections import Counter
 
 import pytest
-from conftest import finish, free_port_range, run_kvctl, start_kvctl
+from conftest import finish, free_port_range, start_draining, start_kvctl
 from inprocess import run_main
 from test_tap_nats import wait_ready
 
@@ -30,12 +31,13 @@ SIM = [
 def tap_simulation(workers: int, *extra: str) -> tuple[list[dict], dict]:
     base = free_port_range(workers)
     endpoints = [f"tcp://127.0.0.1:{base + i}" for i in range(workers)]
-    sim = start_kvctl(*SIM, "--workers", str(workers), "--base-port", str(base), *extra)
-    tap = start_kvctl("tap", *endpoints, "--json", "--idle-timeout", "2", "--connect-timeout", "10")
+    tap = start_kvctl(
+        "tap", *endpoints, "--json", "--idle-timeout", "2", "--connect-timeout", "10", drain=True
+    )
+    sim = run_main(*SIM, "--workers", str(workers), "--base-port", str(base), *extra, timeout=60)
     rc_tap, out, err = finish(tap, timeout=60)
-    rc_sim, sim_out, sim_err = finish(sim, timeout=60)
-    assert rc_sim == 0 and rc_tap == 0, (sim_err, err)
-    return [json.loads(line) for line in out.splitlines()], json.loads(sim_out)
+    assert sim.code == 0 and rc_tap == 0, (sim.err, err)
+    return [json.loads(line) for line in out.splitlines()], json.loads(sim.out)
 
 
 def test_tap_consumes_all_eight_workers_and_sees_every_event():
@@ -99,7 +101,8 @@ def test_engine_formats(encoding, shape):
 def test_nats_output_decodes_as_dynamo(nats_server):
     tap = start_kvctl("tap", nats_server.url, "--json", "--idle-timeout", "2")
     wait_ready(tap)
-    result = run_kvctl(
+    start_draining(tap)  # while kvctl runs in-process
+    result = run_main(
         "simulate",
         "--to",
         nats_server.url,
@@ -114,8 +117,8 @@ def test_nats_output_decodes_as_dynamo(nats_server):
         "sim",
         timeout=60,
     )
-    assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout)
+    assert result.code == 0, result.err
+    summary = json.loads(result.out)
     rc, out, err = finish(tap, timeout=30)
     rows = [json.loads(line) for line in out.splitlines()]
     assert {r["format"] for r in rows} == {"dynamo-msgpack"}
@@ -142,9 +145,9 @@ def test_nats_output_decodes_as_dynamo(nats_server):
     ],
 )
 def test_simulate_usage_errors(args):
-    result = run_kvctl("simulate", "--base-port", str(free_port_range(8)), *args)
-    assert result.returncode == 2, result.stderr
-    assert b"Traceback" not in result.stderr
+    result = run_main("simulate", "--base-port", str(free_port_range(8)), *args)
+    assert result.code == 2, result.err
+    assert "Traceback" not in result.err
 
 
 def test_output_recording_is_deterministic_and_passes_check(tmp_path):
@@ -152,7 +155,7 @@ def test_output_recording_is_deterministic_and_passes_check(tmp_path):
 
     paths = [tmp_path / "a.parquet", tmp_path / "b.parquet"]
     for path in paths:
-        result = run_kvctl(
+        result = run_main(
             "simulate",
             "-o",
             str(path),
@@ -170,11 +173,11 @@ def test_output_recording_is_deterministic_and_passes_check(tmp_path):
             "-q",
             timeout=60,
         )
-        assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout)
+        assert result.code == 0, result.err
+    summary = json.loads(result.out)
     first, second = ([b.frames for b in open_recording(p)] for p in paths)
     assert first == second and len(first) == summary["batches"]  # byte-identical streams
-    check = run_kvctl(
+    check = run_main(
         "check",
         str(paths[0]),
         "--block-size",
@@ -185,8 +188,8 @@ def test_output_recording_is_deterministic_and_passes_check(tmp_path):
         "3",
         "--json",
     )
-    report = json.loads(check.stdout)
-    assert check.returncode == 0, report
+    report = json.loads(check.out)
+    assert check.code == 0, report
     assert summary["total"]["removed_blocks"] > 0  # the pool filled and evicted
 
 
@@ -204,7 +207,7 @@ def test_trace_driven_run(tmp_path):
         )
         + "\n"
     )
-    result = run_kvctl(
+    result = run_main(
         "simulate",
         "--trace",
         str(trace),
@@ -216,8 +219,8 @@ def test_trace_driven_run(tmp_path):
         "-q",
         timeout=60,
     )
-    assert result.returncode == 0, result.stderr
-    total = json.loads(result.stdout)["total"]
+    assert result.code == 0, result.err
+    total = json.loads(result.out)["total"]
     assert total["prompt_tokens"] == 1000 + 1500 + 600
     # request 2 reuses request 1's first 992 tokens (62 full blocks of 16), request 3 the
     # 512 tokens of hash id 1 (32 blocks)
@@ -255,7 +258,13 @@ def test_replay_router_per_worker():
 def test_wait_for_two_subscribers():
     base = free_port_range(1)
     endpoint = f"tcp://127.0.0.1:{base}"
-    sim = start_kvctl(
+    taps = [
+        start_kvctl(
+            "tap", endpoint, "--json", "--idle-timeout", "2", "--connect-timeout", "10", drain=True
+        )
+        for _ in range(2)
+    ]
+    sim = run_main(
         "simulate",
         "--workers",
         "1",
@@ -268,14 +277,10 @@ def test_wait_for_two_subscribers():
         "2",
         "-q",
         "--json",
+        timeout=60,
     )
-    taps = [
-        start_kvctl("tap", endpoint, "--json", "--idle-timeout", "2", "--connect-timeout", "10")
-        for _ in range(2)
-    ]
-    rc, out, err = finish(sim, timeout=60)
-    assert rc == 0, err
-    events = json.loads(out)["events"]
+    assert sim.code == 0, sim.err
+    events = json.loads(sim.out)["events"]
     for tap in taps:
         rc, tapped, err = finish(tap, timeout=60)
         assert rc == 0, err

@@ -1,5 +1,6 @@
 """kvctl stats on a small live stream from a real ZMQ publisher: figures equal hand-computed
-ones, tables render, --plot writes real PNGs, a missing matplotlib fails fast."""
+ones, tables render, --plot writes real PNGs (in-process, the publisher in a thread), a missing
+matplotlib or numpy (a process whose import path hides it) fails fast or is not needed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import struct
 from importlib.util import find_spec
 
 import pytest
-from conftest import REPO, finish, free_port, removed, run_kvctl, start_kvctl, stored
+from conftest import REPO, free_port, removed, run_kvctl, stored
+from inprocess import run_main, run_while
 
 from kvctl.formats.engine_zmq import encode_frames, encode_payload
 
@@ -33,7 +35,7 @@ def hidden(tmp_path, module: str) -> dict[str, str]:
 def recording(tmp_path_factory) -> str:
     """A simulated recording with evictions (a small cache), on the wall clock."""
     path = tmp_path_factory.mktemp("sim") / "sim.parquet"
-    result = run_kvctl(
+    result = run_main(
         "simulate",
         "-o",
         str(path),
@@ -47,7 +49,7 @@ def recording(tmp_path_factory) -> str:
         "7",
         "-q",
     )
-    assert result.returncode == 0, result.stderr
+    assert result.code == 0, result.err
     return str(path)
 
 
@@ -71,10 +73,11 @@ def publish(engine) -> None:
 
 
 def run_stats(engine, *args: str) -> tuple[int, str, str]:
-    proc = start_kvctl("stats", engine.endpoint, "-c", "6", *args)
-    engine.wait_for()
-    publish(engine)
-    return finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        publish(engine)
+
+    return run_while(send, "stats", engine.endpoint, "-c", "6", *args)
 
 
 def test_json_figures_equal_hand_computed(engine):
@@ -139,11 +142,10 @@ def test_tables_and_plots(engine, tmp_path):
 
 @needs_matplotlib
 def test_plot_on_an_empty_stream_still_writes_charts(engine, tmp_path):
-    proc = start_kvctl(
+    result = run_main(
         "stats", engine.endpoint, "--idle-timeout", "0.5", "--plot", str(tmp_path), "-q"
     )
-    rc, out, err = finish(proc)
-    assert rc == 0, err
+    assert result.code == 0, result.err
     assert all(
         (tmp_path / n).read_bytes()[:8] == PNG_SIGNATURE
         for n in ("occupancy.png", "rates.png", "lifetimes.png")
@@ -182,12 +184,12 @@ def test_recordings_read_without_numpy(recording, tmp_path, command):
 @needs_matplotlib
 def test_plots_of_a_recording_with_capacity(recording, tmp_path):
     charts = tmp_path / "charts"
-    result = run_kvctl("stats", recording, "--num-blocks", "256", "--plot", str(charts), "-q")
-    assert result.returncode == 0, result.stderr
+    result = run_main("stats", recording, "--num-blocks", "256", "--plot", str(charts), "-q")
+    assert result.code == 0, result.err
     for name in ("occupancy.png", "rates.png", "lifetimes.png"):
         data = (charts / name).read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > 10_000, name
 
 
 def test_help_has_example():
-    assert "Example:" in run_kvctl("stats", "--help").stdout.decode()
+    assert "Example:" in run_main("stats", "--help").out

@@ -1,5 +1,6 @@
-"""kvctl top driven by a live ZMQ publisher for a few seconds: plain snapshots when stdout is a
-pipe, JSON snapshots, and a real terminal (tmux) where q quits and s re-sorts."""
+"""kvctl top driven by a live ZMQ publisher for a few seconds: plain snapshots when stdout is
+not a terminal, JSON snapshots (in-process, the publisher in a thread), and a real terminal
+(tmux) where q quits and s re-sorts."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from conftest import (
     interrupt,
     read_line,
     removed,
-    run_kvctl,
     start_kvctl,
     stored,
 )
+from inprocess import Live, run_main, run_while
 
 from kvctl.formats.engine_zmq import encode_frames, encode_payload
 
@@ -50,9 +51,10 @@ class Workload:
     def expected(self) -> dict[str, int]:
         return {"a[dp0]": 2 * self.step - max(0, self.step - 5), "b[dp0]": self.step}
 
-    def drive(self, seconds: float, until: subprocess.Popen | None = None) -> None:
+    def drive(self, seconds: float, until: Live | None = None) -> None:
+        """Steps 40 ms apart (the workload's pace) for ``seconds`` or until top has ended."""
         end = time.monotonic() + seconds
-        while time.monotonic() < end and (until is None or until.poll() is None):
+        while time.monotonic() < end and (until is None or not until.ended.is_set()):
             self.run_step()
             time.sleep(0.04)
 
@@ -67,11 +69,15 @@ def row(snapshot: str, worker: str) -> list[str]:
 
 
 def test_plain_snapshots_when_not_a_tty(engine):
-    proc = start_kvctl("top", engine.endpoint, "--refresh", "0.5", "--idle-timeout", "0.8")
-    engine.wait_for()
     work = Workload(engine)
-    work.drive(2.0)
-    rc, out, err = finish(proc)
+
+    def drive() -> None:
+        engine.wait_for()
+        work.drive(2.0)
+
+    rc, out, err = run_while(
+        drive, "top", engine.endpoint, "--refresh", "0.5", "--idle-timeout", "0.8"
+    )
     assert rc == 0, err
     snaps = snapshots(out)
     assert len(snaps) >= 3, out  # every refresh, plus the final one
@@ -100,7 +106,13 @@ def test_plain_snapshots_when_not_a_tty(engine):
 
 
 def test_json_snapshots_sorted(engine):
-    proc = start_kvctl(
+    work = Workload(engine)
+
+    def drive(live: Live) -> None:
+        engine.wait_for()
+        work.drive(1.2, until=live)
+
+    result = run_main(
         "top",
         engine.endpoint,
         "--json",
@@ -110,11 +122,9 @@ def test_json_snapshots_sorted(engine):
         "cached",
         "--duration",
         "1.8",
+        alongside=drive,
     )
-    engine.wait_for()
-    work = Workload(engine)
-    work.drive(1.2)
-    rc, out, err = finish(proc)
+    rc, out, err = result.code, result.out, result.err
     assert rc == 0, err
     snaps = [json.loads(line) for line in out.splitlines()]
     assert len(snaps) >= 3 and all(s["sort"] == "cached" for s in snaps)
@@ -129,12 +139,13 @@ def test_json_snapshots_sorted(engine):
 
 
 def test_gap_and_malformed_show_on_the_worker_row(engine):
-    proc = start_kvctl("top", engine.endpoint, "--json", "-c", "2", "--refresh", "5")
-    engine.wait_for()
-    engine.send([stored([1])], topic=b"kv@a@m")
-    engine.send_raw([b"kv@a@m", (1).to_bytes(8, "big"), b"\xc1"])  # malformed
-    engine.send([stored([2], parent=1)], topic=b"kv@a@m", seq=7)  # gap: 1 (bad) .. 6
-    rc, out, err = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        engine.send([stored([1])], topic=b"kv@a@m")
+        engine.send_raw([b"kv@a@m", (1).to_bytes(8, "big"), b"\xc1"])  # malformed
+        engine.send([stored([2], parent=1)], topic=b"kv@a@m", seq=7)  # gap: 1 (bad) .. 6
+
+    rc, out, err = run_while(send, "top", engine.endpoint, "--json", "-c", "2", "--refresh", "5")
     assert rc == 0, err
     rows = {w["worker"]: w for w in json.loads(out.splitlines()[-1])["workers"]}
     assert rows["a[dp0]"]["gaps"] == 1 and rows["a[dp0]"]["last_seq"] == 7
@@ -157,7 +168,7 @@ def test_ctrl_c_exits_130_after_a_final_snapshot(engine):
 
 
 def test_help_has_example():
-    assert "Example:" in run_kvctl("top", "--help").stdout.decode()
+    assert "Example:" in run_main("top", "--help").out
 
 
 @pytest.mark.skipif(

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from conftest import finish, publish, read_line, start_kvctl
+from conftest import publish
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from inprocess import run_main
+from inprocess import Live, run_main
 from test_formats_engine import assert_printable_and_recordable
 
 from kvctl.events import MAX_DEPTH
@@ -349,11 +349,13 @@ def interleaved() -> list[tuple[str, bytes]]:
 
 
 def run_live(*args: str, url: str, ready: str) -> tuple[int, str, str]:
-    proc = start_kvctl(*args)
-    line = read_line(proc.stderr)
-    assert line.startswith(ready), line
-    publish(url, interleaved())
-    return finish(proc)
+    def publish_when_subscribed(live: Live) -> None:
+        line = live.wait_for_stderr("\n").partition("\n")[0]
+        assert line.startswith(ready), line
+        publish(url, interleaved())
+
+    result = run_main(*args, alongside=publish_when_subscribed)
+    return result.code, result.out, result.err
 
 
 def test_tap_counts_every_hostile_message_and_keeps_every_valid_event(nats_server):

@@ -9,10 +9,10 @@ import json
 
 import msgpack
 import pytest
-from conftest import finish, run_kvctl, start_kvctl, stored
+from conftest import stored
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from inprocess import run_main
+from inprocess import run_main, run_while
 
 from kvctl.events import Batch
 from kvctl.formats import decode_zmq
@@ -88,10 +88,11 @@ def test_a_producers_type_that_looks_like_markup_is_shown_literally(tmp_path, co
 
 
 def test_tap_pretty_hex_hashes_appear(engine):
-    proc = start_kvctl("tap", engine.endpoint, "-c", "1", "--hash-format", "hex")
-    engine.wait_for()
-    engine.send([stored([HEX_HASH], parent=None)], topic=b"[red]topic[/]")
-    rc, out, err = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        engine.send([stored([HEX_HASH], parent=None)], topic=b"[red]topic[/]")
+
+    rc, out, err = run_while(send, "tap", engine.endpoint, "-c", "1", "--hash-format", "hex")
     assert rc == 0, err
     assert "1 block [d0326374b3…]" in out and "topic=[red]topic[/]" in out
 
@@ -145,10 +146,12 @@ def test_any_text_value_is_shown_literally(lora, medium, extra, source, topic, w
 def test_malformed_error_text_is_shown_literally(engine):
     """A Dynamo RouterEvent whose data is "[bold]x": the decoder's error quotes it."""
     env = encode_envelope([{"worker_id": 1, "event": {"event_id": 0, "data": "[bold]x"}}], 1, 0, 0)
-    proc = start_kvctl("tap", engine.endpoint, "--idle-timeout", "1")
-    engine.wait_for()
-    engine.send_raw(encode_event_plane(env, 1, 0))
-    rc, out, err = finish(proc)
+
+    def send() -> None:
+        engine.wait_for()
+        engine.send_raw(encode_event_plane(env, 1, 0))
+
+    rc, out, err = run_while(send, "tap", engine.endpoint, "--idle-timeout", "1")
     assert rc == 0, err
     assert "not stored/removed/cleared: [bold]x" in err
 
@@ -215,11 +218,12 @@ WHY = "event 0 (BlockStored): block_hashes is a str, expected an array of int or
 
 
 def test_tap_shows_a_wrong_typed_event_as_malformed(engine):
-    proc = start_kvctl("tap", engine.endpoint, "--json", "--idle-timeout", "1")
-    engine.wait_for()
-    engine.send_raw(bad_batch(0))
-    engine.send([stored([5])], seq=1)
-    rc, out, err = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        engine.send_raw(bad_batch(0))
+        engine.send([stored([5])], seq=1)
+
+    rc, out, err = run_while(send, "tap", engine.endpoint, "--json", "--idle-timeout", "1")
     assert rc == 0, err
     assert [json.loads(line)["block_hashes"] for line in out.splitlines()] == [[5]]
     assert WHY in err and "malformed 1" in err
@@ -227,19 +231,23 @@ def test_tap_shows_a_wrong_typed_event_as_malformed(engine):
 
 def test_record_keeps_it_malformed_and_check_reports_kv001(engine, tmp_path):
     path = tmp_path / "run.parquet"
-    proc = start_kvctl("record", engine.endpoint, "-o", str(path), "--idle-timeout", "1.5")
-    engine.wait_for()
-    engine.send([stored([5])], seq=0)
-    engine.send_raw(bad_batch(1))
-    rc, _, err = finish(proc, timeout=60)
+
+    def send() -> None:
+        engine.wait_for()
+        engine.send([stored([5])], seq=0)
+        engine.send_raw(bad_batch(1))
+
+    rc, _, err = run_while(
+        send, "record", engine.endpoint, "-o", str(path), "--idle-timeout", "1.5", timeout=60
+    )
     assert rc == 0, err
     batches = list(open_recording(path))
     assert [b.error for b in batches] == [None, WHY]
     assert batches[1].frames == bad_batch(1) and batches[1].events == []  # raw frames kept
-    result = run_kvctl("check", str(path), "--json")
-    report = json.loads(result.stdout)
+    result = run_main("check", str(path), "--json")
+    report = json.loads(result.out)
     rules = {r["id"]: r for r in report["rules"]}
-    assert result.returncode == 3 and set(rules) == {"KV001"}, rules
+    assert result.code == 3 and set(rules) == {"KV001"}, rules
     assert WHY in rules["KV001"]["examples"][0]["message"]
 
 
@@ -250,10 +258,14 @@ def test_tap_reads_the_event_plane_behind_a_broker(engine):
     """Through DYN_ZMQ_BROKER_URL the topic frame is the full subject; tap keeps it."""
     subject = b"namespace.dynamo.component.backend.endpoint.generate.kv-events"
     env = encode_envelope([router_event(stored([BIG]), 7, 0)], 42, 3, 1_700_000_000_000)
-    proc = start_kvctl("tap", engine.endpoint, "--json", "-c", "1", "--hash-format", "string")
-    engine.wait_for()
-    engine.send_raw(encode_event_plane(env, 42, 3, subject))
-    rc, out, err = finish(proc)
+
+    def send() -> None:
+        engine.wait_for()
+        engine.send_raw(encode_event_plane(env, 42, 3, subject))
+
+    rc, out, err = run_while(
+        send, "tap", engine.endpoint, "--json", "-c", "1", "--hash-format", "string"
+    )
     assert rc == 0, err
     (row,) = (json.loads(line) for line in out.splitlines())
     assert (row["format"], row["topic"], row["seq"]) == ("dynamo-zmq", subject.decode(), 3)
@@ -286,6 +298,6 @@ def test_older_recordings_with_wrong_types_still_read_and_check(tmp_path):
     writer.close()
     code, out = kvctl_in_process("cat", str(path))
     assert code == 0 and "blocks=[bold]d03" in out and "tokens={'a': 1}" in out, out
-    result = run_kvctl("check", str(path), "--json")
-    rules = {r["id"] for r in json.loads(result.stdout)["rules"]}
+    result = run_main("check", str(path), "--json")
+    rules = {r["id"] for r in json.loads(result.out)["rules"]}
     assert {"KV002", "KV206"} <= rules and "KV001" not in rules, rules

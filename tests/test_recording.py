@@ -238,17 +238,24 @@ KILL_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from test_recording import all_format_batches
+from kvctl.recording.journal import read_journal
 from kvctl.recording.writer import RecordingWriter
 from test_recording import put
 w = RecordingWriter({out!r}, flush_interval=0.2)
 batches = all_format_batches()
 put(w, batches, {mode!r})
 w.flush()                      # explicit flush
+journal = {out!r} + ".journal"
+flushed = sum(rb.num_rows for rb in read_journal(journal))
 put(w, batches, {mode!r})      # left to the background flusher (<= flush_interval)
-time.sleep(0.8)
-print("ready", flush=True)
+started = time.monotonic()
+deadline = started + 15
+while sum(rb.num_rows for rb in read_journal(journal)) < 2 * flushed:  # on disk: flushed
+    assert time.monotonic() < deadline, "the background flusher did not flush within 15 s"
+    time.sleep(0.02)           # a file has no push signal
+print("ready", round(time.monotonic() - started, 3), flush=True)
 put(w, batches, {mode!r})      # never flushed: lost with the process
-time.sleep(60)
+time.sleep(60)                 # until the test kills it
 """
 
 
@@ -261,7 +268,10 @@ def test_kill_9_then_recover(tmp_path: Path, mode: str) -> None:
         [sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, env=env
     )
     try:
-        assert proc.stdout.readline().strip() == b"ready"
+        ready, waited = proc.stdout.readline().split()
+        assert ready == b"ready"
+        # the 0.2 s flush interval, with slack for a loaded machine
+        assert float(waited) < 2.0, f"the background flush took {float(waited)} s"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -526,9 +536,7 @@ def test_parent_death_leaves_the_journal_to_recover(tmp_path: Path) -> None:
     leaves the journal alone: `recover` then converts it."""
     out = tmp_path / "run.parquet"
     script = KILL_SCRIPT.format(tests=str(REPO / "tests"), out=str(out), mode="raw")
-    script = script.replace(
-        'print("ready", flush=True)', 'print("ready", w._converter.pid, flush=True)'
-    )
+    script = script.replace('print("ready", ', 'print("ready", w._converter.pid, ')
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, env=env

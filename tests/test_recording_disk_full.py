@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port, run_kvctl, start_kvctl
+from inprocess import run_main
 
 from kvctl.recording.reader import open_recording
 
@@ -69,14 +70,14 @@ def test_record_on_a_full_disk_keeps_what_was_flushed(tmp_path, small_disk):
     assert journalled > 0
 
     # still full: recover refuses in one line, keeps the journal, leaves no temp file
-    again = run_kvctl("recover", str(output), timeout=60)
-    assert again.returncode == 1 and "the journal is kept" in again.stderr.decode()
-    assert "Traceback" not in again.stderr.decode()
+    again = run_main("recover", str(output), timeout=60)
+    assert again.code == 1 and "the journal is kept" in again.err
+    assert "Traceback" not in again.err
     assert sorted(p.name for p in small_disk.iterdir()) == ["run.parquet.journal"]
 
     elsewhere = tmp_path / "recovered.parquet"
-    saved = run_kvctl("recover", str(output), "-o", str(elsewhere), timeout=60)
-    assert saved.returncode == 0, saved.stderr.decode()
+    saved = run_main("recover", str(output), "-o", str(elsewhere), timeout=60)
+    assert saved.code == 0, saved.err
     batches = sum(1 for b in open_recording(str(elsewhere)) if b is not None)
     assert batches == journalled  # exactly what the error line promised
     assert list(small_disk.iterdir()) == []  # the journal went only once the copy was safe

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from conftest import finish, removed, run_kvctl, start_kvctl
+from conftest import removed
+from inprocess import run_main, run_while
 
 from kvctl.formats import decode_zmq
 from kvctl.recording.writer import RecordingWriter
@@ -35,20 +36,24 @@ def deep_payload(levels: int = 500) -> bytes:
 def test_a_deeply_nested_value_is_recorded_as_malformed(engine, tmp_path):
     path = tmp_path / "deep.parquet"
     payload = deep_payload()
-    proc = start_kvctl("record", engine.endpoint, "-o", str(path), "--idle-timeout", "1.5")
-    engine.wait_for()
-    engine.send([removed([1])])
-    engine.send_raw([b"", (1).to_bytes(8, "big"), payload])
-    engine.seq = 2
-    engine.send([removed([3])])
-    rc, _, err = finish(proc, timeout=60)
+
+    def send() -> None:
+        engine.wait_for()
+        engine.send([removed([1])])
+        engine.send_raw([b"", (1).to_bytes(8, "big"), payload])
+        engine.seq = 2
+        engine.send([removed([3])])
+
+    rc, _, err = run_while(
+        send, "record", engine.endpoint, "-o", str(path), "--idle-timeout", "1.5", timeout=60
+    )
     assert rc == 0 and "Traceback" not in err, err
     assert path.exists() and not Path(str(path) + ".journal").exists()
-    info = json.loads(run_kvctl("inspect", str(path), "--json").stdout)
+    info = json.loads(run_main("inspect", str(path), "--json").out)
     assert (info["batches"], info["events"], info["malformed"], info["gaps"]) == (3, 2, 1, 0)
-    cat = run_kvctl("cat", str(path), "--json")
-    assert cat.returncode == 0 and "nests deeper than" in cat.stderr.decode(), cat.stderr
-    assert [json.loads(x)["block_hashes"] for x in cat.stdout.splitlines()] == [[1], [3]]
+    cat = run_main("cat", str(path), "--json")
+    assert cat.code == 0 and "nests deeper than" in cat.err, cat.err
+    assert [json.loads(x)["block_hashes"] for x in cat.out.splitlines()] == [[1], [3]]
     from kvctl.recording.reader import open_recording
 
     assert [b.frames[2] for b in open_recording(path) if b.error] == [payload]
@@ -67,10 +72,10 @@ def test_a_journal_holding_a_deep_value_stays_readable(tmp_path, command):
     journal = tmp_path / "run.parquet.journal"
     shutil.copyfile(work / journal.name, journal)
     target = journal if command != ["recover"] else tmp_path / "run.parquet"
-    result = run_kvctl(*command, str(target))
-    err = result.stderr.decode()
-    assert "Traceback" not in err and result.returncode in (0, 3), err
+    result = run_main(*command, str(target))
+    err = result.err
+    assert "Traceback" not in err and result.code in (0, 3), err
     if command == ["recover"]:
-        assert result.returncode == 0 and not journal.exists()
-        info = json.loads(run_kvctl("inspect", str(target), "--json").stdout)
+        assert result.code == 0 and not journal.exists()
+        info = json.loads(run_main("inspect", str(target), "--json").out)
         assert (info["batches"], info["events"], info["malformed"]) == (2, 1, 1)

@@ -8,25 +8,29 @@ import json
 import time
 from pathlib import Path
 
-from conftest import finish, read_line, removed, run_kvctl, start_kvctl
+from conftest import removed
+from inprocess import Live, run_main, run_while
 from test_tap_nats import publish
 
 from kvctl.formats.dynamo import encode_envelope, router_event
 
 
 def record_live(engine, path: Path, send) -> str:
-    proc = start_kvctl("record", engine.endpoint, "-o", str(path), "--idle-timeout", "1.5")
-    engine.wait_for()
-    send()
-    rc, _, err = finish(proc, timeout=60)
+    def publish() -> None:
+        engine.wait_for()
+        send()
+
+    rc, _, err = run_while(
+        publish, "record", engine.endpoint, "-o", str(path), "--idle-timeout", "1.5", timeout=60
+    )
     assert rc == 0, err
     return err
 
 
 def inspect(path: Path) -> dict:
-    result = run_kvctl("inspect", str(path), "--json")
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    result = run_main("inspect", str(path), "--json")
+    assert result.code == 0, result.err
+    return json.loads(result.out)
 
 
 def test_batches_without_events_read_back_without_a_false_gap(engine, tmp_path):
@@ -42,34 +46,38 @@ def test_batches_without_events_read_back_without_a_false_gap(engine, tmp_path):
     assert "in 4 batches" in live and "gaps 0" in live
     info = inspect(path)
     assert (info["batches"], info["events"], info["gaps"]) == (4, 2, 0)
-    check = run_kvctl("check", str(path), "--json")
-    report = json.loads(check.stdout)
+    check = run_main("check", str(path), "--json")
+    report = json.loads(check.out)
     assert "KV301" not in json.dumps(report), report
-    cat = run_kvctl("cat", str(path))
-    assert "in 4 batches" in cat.stderr.decode() and "gaps 0" in cat.stderr.decode()
+    cat = run_main("cat", str(path))
+    assert "in 4 batches" in cat.err and "gaps 0" in cat.err
 
 
 def test_empty_dynamo_envelopes_keep_their_row(nats_server, tmp_path):
     path = tmp_path / "dyn.parquet"
-    proc = start_kvctl("record", nats_server.url, "-o", str(path), "--idle-timeout", "2")
-    line = read_line(proc.stderr)
-    assert line.startswith("kvctl: recording"), line
     subject = "namespace.n.component.c.endpoint.e.kv-events"
     ev = router_event({"type": "BlockRemoved", "block_hashes": [7]}, 5, 0)
-    publish(
-        nats_server.url,
-        [
-            (subject, encode_envelope([ev], 5, 0, 1000)),
-            (subject, encode_envelope([], 5, 1, 1001)),
-            (subject, encode_envelope([ev], 5, 2, 1002)),
-        ],
+
+    def send(live: Live) -> None:
+        line = live.wait_for_stderr("\n").partition("\n")[0]
+        assert line.startswith("kvctl: recording"), line
+        publish(
+            nats_server.url,
+            [
+                (subject, encode_envelope([ev], 5, 0, 1000)),
+                (subject, encode_envelope([], 5, 1, 1001)),
+                (subject, encode_envelope([ev], 5, 2, 1002)),
+            ],
+        )
+
+    result = run_main(
+        "record", nats_server.url, "-o", str(path), "--idle-timeout", "2", alongside=send
     )
-    rc, _, err = finish(proc, timeout=30)
-    assert rc == 0 and "in 3 batches" in err, err
+    assert result.code == 0 and "in 3 batches" in result.err, result.err
     info = inspect(path)
     assert (info["batches"], info["events"], info["gaps"]) == (3, 2, 0)
-    cat = run_kvctl("cat", str(path))
-    assert "in 3 batches" in cat.stderr.decode() and "gaps 0" in cat.stderr.decode()
+    cat = run_main("cat", str(path))
+    assert "in 3 batches" in cat.err and "gaps 0" in cat.err
 
 
 def test_a_malformed_message_is_not_also_a_gap_row(engine, tmp_path):
@@ -97,7 +105,7 @@ def test_a_producer_event_named_gap_is_an_event_not_a_gap(engine, tmp_path):
     info = inspect(path)
     assert (info["events"], info["gaps"], info["missing"], info["malformed"]) == (3, 1, 4, 0)
     assert info["by_type"] == {"Gap": 1, "Malformed": 1, "BlockRemoved": 1}
-    rows = [json.loads(x) for x in run_kvctl("cat", str(path), "--json").stdout.splitlines()]
+    rows = [json.loads(x) for x in run_main("cat", str(path), "--json").out.splitlines()]
     assert [r["type"] for r in rows] == ["Gap", "Malformed", "BlockRemoved"]
 
 

@@ -274,16 +274,29 @@ def test_a_damaged_recording_is_one_line(tmp_path, capsys):
 def test_a_file_that_appears_at_the_output_during_recording_is_not_replaced(
     engine, tmp_path, capsys
 ):
-    from conftest import finish, read_line, removed, start_kvctl
+    from conftest import removed
+    from inprocess import Live
 
     path = tmp_path / "run.parquet"
-    proc = start_kvctl("record", engine.endpoint, "-o", str(path), "--idle-timeout", "2")
-    assert read_line(proc.stderr).startswith("kvctl: recording")
-    engine.wait_for()
-    path.write_text("written by someone else meanwhile")
-    for i in range(3):
-        engine.send([removed([i])])
-    rc, _, err = finish(proc, timeout=60)
+
+    def meanwhile(live: Live) -> None:
+        assert live.wait_for_stderr("\n").startswith("kvctl: recording")
+        engine.wait_for()
+        path.write_text("written by someone else meanwhile")
+        for i in range(3):
+            engine.send([removed([i])])
+
+    result = run_main(
+        "record",
+        engine.endpoint,
+        "-o",
+        str(path),
+        "--idle-timeout",
+        "2",
+        timeout=60,
+        alongside=meanwhile,
+    )
+    rc, err = result.code, result.err
     assert rc == 1 and "Traceback" not in err, err
     assert "recover" in err and "-o NEW.parquet" in err, err
     assert path.read_text() == "written by someone else meanwhile"

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import NatsServer, finish, read_line, run_kvctl, start_kvctl
+from conftest import NatsServer, finish, read_line, start_kvctl
+from inprocess import Live, run_main
 from test_tap_nats import publish
 
 from kvctl.formats.dynamo import encode_envelope, router_event
@@ -55,16 +56,22 @@ def check_readers(path: Path) -> None:
         ["inspect", str(path), "--json"],
         ["cat", str(path), "--json"],
     ):
-        result = run_kvctl(*args)
-        assert result.returncode == 0, result.stderr
-        assert SECRET.encode() not in result.stdout + result.stderr, args
+        result = run_main(*args)
+        assert result.code == 0, result.err
+        assert SECRET not in result.out + result.err, args
 
 
 def test_password_option_never_written_or_shown(auth_server, tmp_path):
     out = tmp_path / "rec"
     out.mkdir()
     path = out / "run.parquet"
-    proc = start_kvctl(
+
+    def publish_when_recording(live: Live) -> None:
+        first = live.wait_for_stderr("\n").partition("\n")[0]
+        assert first.startswith("kvctl: recording") and SECRET not in first, first
+        publish(f"nats://u:{SECRET}@127.0.0.1:{auth_server.port}", messages())
+
+    result = run_main(
         "record",
         auth_server.url,
         "--nats-user",
@@ -76,11 +83,9 @@ def test_password_option_never_written_or_shown(auth_server, tmp_path):
         "--idle-timeout",
         "2",
         "--json",
+        alongside=publish_when_recording,
     )
-    first = read_line(proc.stderr)
-    assert first.startswith("kvctl: recording") and SECRET not in first, first
-    publish(f"nats://u:{SECRET}@127.0.0.1:{auth_server.port}", messages())
-    rc, stdout, stderr = finish(proc, timeout=30)
+    rc, stdout, stderr = result.code, result.out, result.err
     assert rc == 0, stderr
     assert SECRET not in stdout + stderr and "malformed 1" in stderr
     assert_no_secret_in_files(out)
@@ -108,9 +113,9 @@ def test_password_in_the_url_never_written_or_shown_even_after_kill_9(auth_serve
     _, stdout, stderr = finish(proc)
     assert SECRET not in stdout + stderr, stderr
     assert_no_secret_in_files(out)  # the journal, as the crash left it
-    result = run_kvctl("recover", str(path), "--json")
-    assert result.returncode == 0, result.stderr
-    assert SECRET.encode() not in result.stdout + result.stderr
+    result = run_main("recover", str(path), "--json")
+    assert result.code == 0, result.err
+    assert SECRET not in result.out + result.err
     assert_no_secret_in_files(out)
     check_readers(path)
 
@@ -154,8 +159,8 @@ def test_a_wrong_password_in_a_source_url_is_not_shown(auth_server, command):
     wrong = "wr0ngpass"
     url = f"nats://u:{wrong}@127.0.0.1:{auth_server.port}"
     extra = ["--to", "tcp://127.0.0.1:0"] if command == "bridge" else []
-    result = run_kvctl(command, url, *extra, "--duration", "5", timeout=30)
-    err = result.stderr.decode()
-    assert result.returncode == 1, err
-    assert wrong not in err + result.stdout.decode() and "Traceback" not in err
+    result = run_main(command, url, *extra, "--duration", "5", timeout=30)
+    err = result.err
+    assert result.code == 1, err
+    assert wrong not in err + result.out and "Traceback" not in err
     assert "u:***@" in err  # still says which server refused

@@ -10,6 +10,7 @@ import pytest
 
 from kvctl.events import Batch
 from kvctl.formats import decode_zmq, engine_zmq
+from kvctl.output import dumps
 from kvctl.stats import StatsCollector, lifetime_summary, percentile
 
 
@@ -218,7 +219,13 @@ def test_stats_never_raise_on_odd_batches():
         sc = StatsCollector(max_buckets=16)
         for b in bs:
             sc.feed(b)
-        json.dumps(sc.result())
+        result = sc.result()
+        # `kvctl stats --json` prints it as one JSON object, and it accounts for the stream:
+        # every batch, every event (what is not an event map is skipped, never counted)
+        overall = json.loads(dumps(result))["overall"]
+        assert overall["batches"] == len(bs)
+        events = sum(type(e) is dict for b in bs for e in b.events)
+        assert overall["events"] == events == sum(overall["events_by_type"].values())
 
     check()
 

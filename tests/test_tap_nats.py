@@ -4,20 +4,36 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 
 import msgpack
 import nats
 import pytest
-from conftest import free_port, publish, read_line, read_until, rest_of, run_kvctl, start_kvctl
+from conftest import free_port, publish, read_line, read_until, rest_of, start_kvctl
+from inprocess import Live, run_main
 
 from kvctl.formats.dynamo import encode_envelope, encode_json, router_event, tokens_hash
 
 
-def wait_ready(proc) -> None:
+def wait_ready(proc: subprocess.Popen | Live) -> None:
     """tap has subscribed (with the server up, the "reading" line comes after that)."""
-    line = read_line(proc.stderr)
+    if isinstance(proc, Live):
+        line = proc.wait_for_stderr("\n").partition("\n")[0]
+    else:
+        line = read_line(proc.stderr)
     assert line.startswith("kvctl: reading"), line
+
+
+def tap_while(publish_when_ready, *args: str, **options) -> tuple[int, str, str]:
+    """kvctl tap in-process; once it has subscribed, ``publish_when_ready()`` in a thread."""
+
+    def publish(live: Live) -> None:
+        wait_ready(live)
+        publish_when_ready()
+
+    result = run_main("tap", *args, alongside=publish, **options)
+    return result.code, result.out, result.err
 
 
 STORED = {
@@ -30,8 +46,6 @@ STORED = {
 
 
 def test_live_subjects_of_every_era(nats_server):
-    proc = start_kvctl("tap", nats_server.url, "--json", "-c", "4")
-    wait_ready(proc)
     envelope = encode_envelope(
         [
             router_event(STORED, 3, 0),
@@ -41,22 +55,21 @@ def test_live_subjects_of_every_era(nats_server):
         0,
         1_700_000_000_000,
     )
-    publish(
-        nats_server.url,
-        [
-            (
-                "namespace.dyn.component.backend.kv_events",  # <= 0.5, JSON
-                encode_json(router_event(STORED, 1, 0, era="0.5")),
-            ),
-            (
-                "namespace-dyn-component-backend-kv-events.kv-events",  # 0.7-0.9 JetStream subject
-                encode_json(router_event({"type": "AllBlocksCleared"}, 2, 1, era="0.9")),
-            ),
-            ("unrelated.queue", b"{}"),  # not a KV stream: ignored
-            ("namespace.dyn.component.backend.endpoint.generate.kv-events", envelope),  # >= 1.2
-        ],
+    messages = [
+        (
+            "namespace.dyn.component.backend.kv_events",  # <= 0.5, JSON
+            encode_json(router_event(STORED, 1, 0, era="0.5")),
+        ),
+        (
+            "namespace-dyn-component-backend-kv-events.kv-events",  # 0.7-0.9 JetStream subject
+            encode_json(router_event({"type": "AllBlocksCleared"}, 2, 1, era="0.9")),
+        ),
+        ("unrelated.queue", b"{}"),  # not a KV stream: ignored
+        ("namespace.dyn.component.backend.endpoint.generate.kv-events", envelope),  # >= 1.2
+    ]
+    rc, out, err = tap_while(
+        lambda: publish(nats_server.url, messages), nats_server.url, "--json", "-c", "4"
     )
-    rc, out, err = rest_of(proc)
     assert rc == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["type"], r["worker_id"], r["format"]) for r in rows] == [
@@ -72,16 +85,13 @@ def test_live_subjects_of_every_era(nats_server):
 
 def test_subject_in_url_and_pretty_output(nats_server):
     subject = "custom.kv"
-    proc = start_kvctl("tap", f"{nats_server.url}/{subject}", "-c", "1")
-    wait_ready(proc)
-    publish(
-        nats_server.url,
-        [
-            ("namespace.x.component.y.kv_events", b"{}"),
-            (subject, encode_json(router_event(STORED, 4, 0))),
-        ],
+    messages = [
+        ("namespace.x.component.y.kv_events", b"{}"),
+        (subject, encode_json(router_event(STORED, 4, 0))),
+    ]
+    rc, out, err = tap_while(
+        lambda: publish(nats_server.url, messages), f"{nats_server.url}/{subject}", "-c", "1"
     )
-    rc, out, err = rest_of(proc)
     assert rc == 0, err
     assert "BlockStored" in out and "2 blocks" in out and "worker=4" in out
 
@@ -105,15 +115,15 @@ def test_from_start_reads_jetstream_history(tmp_path, stop):
             ],
             stream=stream,
         )
-        result = run_kvctl("tap", server.url, "--from-start", "--json", *stop)
+        result = run_main("tap", server.url, "--from-start", "--json", *stop)
     finally:
         server.stop()
-    assert result.returncode == 0, result.stderr
-    rows = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert result.code == 0, result.err
+    rows = [json.loads(line) for line in result.out.splitlines()]
     assert [r["block_hashes"] for r in rows] == [[0], [1], [2]]
     assert [r["event_id"] for r in rows] == [0, 1, 2]
     # the JetStream consumers are closed before the client: no asyncio or nats-py noise
-    err = result.stderr.decode()
+    err = result.err
     for noise in (
         "Task was destroyed",
         "Unclosed",
@@ -126,24 +136,21 @@ def test_from_start_reads_jetstream_history(tmp_path, stop):
 
 
 def test_malformed_nats_message_is_shown(nats_server):
-    proc = start_kvctl("tap", nats_server.url, "--idle-timeout", "1", "--json")
-    wait_ready(proc)
-    publish(
-        nats_server.url,
-        [
-            ("namespace.a.component.b.kv-events", b"\x85garbage"),
-            ("namespace.a.component.b.kv-events", msgpack.packb({"payload": b"\xc1"})),
-        ],
+    messages = [
+        ("namespace.a.component.b.kv-events", b"\x85garbage"),
+        ("namespace.a.component.b.kv-events", msgpack.packb({"payload": b"\xc1"})),
+    ]
+    rc, out, err = tap_while(
+        lambda: publish(nats_server.url, messages), nats_server.url, "--idle-timeout", "1", "--json"
     )
-    rc, out, err = rest_of(proc)
     assert rc == 0 and out == ""
     assert err.count("malformed message from") == 2 and "malformed 2" in err
 
 
 def test_unreachable_nats_is_a_clear_error():
-    result = run_kvctl("tap", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "1")
-    err = result.stderr.decode()
-    assert result.returncode == 1 and "Traceback" not in err
+    result = run_main("tap", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "1")
+    err = result.err
+    assert result.code == 1 and "Traceback" not in err
     lines = err.strip().splitlines()
     assert lines[0].startswith("kvctl: reading") and len(lines) == 2  # one error line
     assert "cannot connect to NATS after 1 s (connection refused)" in lines[1]
@@ -156,18 +163,23 @@ def test_nats_credentials_from_options_and_environment(tmp_path):
     try:
         # waiting does not cure wrong credentials: an error at once, without --connect-timeout
         started = time.monotonic()
-        denied = run_kvctl("tap", server.url, "--duration", "10")
-        assert denied.returncode == 1 and b"Traceback" not in denied.stderr
-        assert b"cannot connect to NATS: authorization violation" in denied.stderr
+        denied = run_main("tap", server.url, "--duration", "10")
+        assert denied.code == 1 and "Traceback" not in denied.err
+        assert "cannot connect to NATS: authorization violation" in denied.err
         assert time.monotonic() - started < 5
         for args, env in (
             (["--nats-user", "kv", "--nats-password", "s3cret"], None),
             ([], {"KVCTL_NATS_USER": "kv", "KVCTL_NATS_PASSWORD": "s3cret"}),
         ):
-            proc = start_kvctl("tap", server.url, "--json", "-c", "1", *args, env=env)
-            wait_ready(proc)
-            asyncio.run(asyncio.wait_for(_publish_auth(server.url), 10))
-            rc, out, err = rest_of(proc)
+            rc, out, err = tap_while(
+                lambda: asyncio.run(asyncio.wait_for(_publish_auth(server.url), 10)),
+                server.url,
+                "--json",
+                "-c",
+                "1",
+                *args,
+                env=env,
+            )
             assert rc == 0, err
             assert json.loads(out)["type"] == "AllBlocksCleared"
     finally:
@@ -186,7 +198,7 @@ async def _publish_auth(url: str) -> None:
 
 def test_connect_timeout_0_still_means_wait(tmp_path):
     """Compatibility: 0 was "wait forever" before waiting became the default."""
-    result = run_kvctl(
+    result = run_main(
         "tap",
         f"nats://127.0.0.1:{free_port()}",
         "--connect-timeout",
@@ -195,7 +207,7 @@ def test_connect_timeout_0_still_means_wait(tmp_path):
         "1.5",
         timeout=20,
     )
-    assert result.returncode == 0 and b"stopped by --duration" in result.stderr
+    assert result.code == 0 and "stopped by --duration" in result.err
 
 
 def read_lines(stream, count: int, timeout: float = 15) -> str:
@@ -295,7 +307,7 @@ def test_record_through_an_outage_keeps_the_gap(tmp_path, outage_s):
     finally:
         server.stop()
     assert rc == 0, err
-    info = json.loads(run_kvctl("inspect", str(path), "--json").stdout)
+    info = json.loads(run_main("inspect", str(path), "--json").out)
     assert (info["gaps"], info["missing"], info["events"]) == (1, 2, 2), info
 
 

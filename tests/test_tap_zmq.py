@@ -1,4 +1,5 @@
-"""kvctl tap against real ZMQ publishers on 127.0.0.1, run as a user runs it (subprocess)."""
+"""kvctl tap against real ZMQ publishers on 127.0.0.1, run as the console script runs it
+(in-process, the publisher in a thread; Ctrl-C and a closed pipe in a subprocess)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from conftest import (
     interrupt,
     read_line,
     removed,
-    run_kvctl,
-    serve_replays_until_exit,
+    serve_replays_until,
     start_kvctl,
     stored,
 )
+from inprocess import Live, run_main, run_while
 
 from kvctl.transports.zmq import ReplayServer
 
@@ -27,11 +28,12 @@ def json_lines(out: str) -> list[dict]:
 
 
 def test_json_lines_carry_every_documented_field(engine):
-    proc = start_kvctl("tap", engine.endpoint, "--json", "-c", "3")
-    engine.wait_for()
-    engine.send([stored([1, 2**63 + 5], extra_keys=[["img", 0]]), removed([-1])])
-    engine.send([{"type": "AllBlocksCleared"}])
-    rc, out, err = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        engine.send([stored([1, 2**63 + 5], extra_keys=[["img", 0]]), removed([-1])])
+        engine.send([{"type": "AllBlocksCleared"}])
+
+    rc, out, err = run_while(send, "tap", engine.endpoint, "--json", "-c", "3")
     assert rc == 0, err
     rows = json_lines(out)
     assert [r["type"] for r in rows] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
@@ -66,18 +68,22 @@ def test_json_lines_carry_every_documented_field(engine):
 
 @pytest.mark.parametrize("style,expected", [("signed", -1), ("hex", "ffffffffffffffff")])
 def test_hash_format_option(engine, style, expected):
-    proc = start_kvctl("tap", engine.endpoint, "--json", "-c", "1", "--hash-format", style)
-    engine.wait_for()
-    engine.send([removed([2**64 - 1])])
-    rc, out, _ = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        engine.send([removed([2**64 - 1])])
+
+    rc, out, _ = run_while(
+        send, "tap", engine.endpoint, "--json", "-c", "1", "--hash-format", style
+    )
     assert json_lines(out)[0]["block_hashes"] == [expected]
 
 
 def test_pretty_output_is_readable(engine):
-    proc = start_kvctl("tap", engine.endpoint, "-c", "2")
-    engine.wait_for()
-    engine.send([stored([10, 11, 12, 13, 14], parent=9), removed([10])])
-    rc, out, err = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        engine.send([stored([10, 11, 12, 13, 14], parent=9), removed([10])])
+
+    rc, out, err = run_while(send, "tap", engine.endpoint, "-c", "2")
     assert rc == 0, err
     lines = out.splitlines()
     assert engine.endpoint in lines[0] and "seq=0" in lines[0] and "2 events" in lines[0]
@@ -89,15 +95,19 @@ def test_pretty_output_is_readable(engine):
 
 def test_several_labelled_sources_each_tracked(endpoint):
     a, b = Engine(endpoint), Engine(f"tcp://127.0.0.1:{free_port()}")
-    try:
-        proc = start_kvctl("tap", f"0={a.endpoint}", f"w1:3={b.endpoint}", "--json", "-c", "4")
+
+    def send() -> None:
         a.wait_for()
         b.wait_for()
         a.send([removed([1])], dp_rank=None)
         b.send([removed([2])], dp_rank=None)
         a.send([removed([3])], dp_rank=None)
         b.send([removed([4])], seq=5, dp_rank=None)  # a gap on b only
-        rc, out, err = finish(proc)
+
+    try:
+        rc, out, err = run_while(
+            send, "tap", f"0={a.endpoint}", f"w1:3={b.endpoint}", "--json", "-c", "4"
+        )
     finally:
         a.close()
         b.close()
@@ -109,8 +119,17 @@ def test_several_labelled_sources_each_tracked(endpoint):
 
 def test_filters_by_type_and_worker(endpoint):
     a, b = Engine(endpoint), Engine(f"tcp://127.0.0.1:{free_port()}")
+
+    def send() -> None:
+        a.wait_for()
+        b.wait_for()
+        for i in range(3):
+            a.send([stored([i]), removed([i])])
+            b.send([stored([100 + i]), removed([100 + i])])
+
     try:
-        proc = start_kvctl(
+        rc, out, err = run_while(
+            send,
             "tap",
             f"0={a.endpoint}",
             f"1={b.endpoint}",
@@ -122,12 +141,6 @@ def test_filters_by_type_and_worker(endpoint):
             "-c",
             "2",
         )
-        a.wait_for()
-        b.wait_for()
-        for i in range(3):
-            a.send([stored([i]), removed([i])])
-            b.send([stored([100 + i]), removed([100 + i])])
-        rc, out, err = finish(proc)
     finally:
         a.close()
         b.close()
@@ -140,10 +153,11 @@ def test_filters_by_type_and_worker(endpoint):
 
 @pytest.mark.parametrize("mode", [[], ["--json"]])
 def test_count_cuts_inside_a_batch(engine, mode):
-    proc = start_kvctl("tap", engine.endpoint, "-c", "2", *mode)
-    engine.wait_for()
-    engine.send([removed([1]), removed([2]), removed([3])])
-    rc, out, err = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        engine.send([removed([1]), removed([2]), removed([3])])
+
+    rc, out, err = run_while(send, "tap", engine.endpoint, "-c", "2", *mode)
     assert rc == 0 and "2 events" in err
     if mode:
         assert len(json_lines(out)) == 2
@@ -151,32 +165,36 @@ def test_count_cuts_inside_a_batch(engine, mode):
 
 @pytest.mark.parametrize("mode", [[], ["--json"]])
 def test_duration_stops_even_while_events_flow(engine, mode):
-    proc = start_kvctl("tap", engine.endpoint, "--duration", "1.5", *mode)
-    engine.wait_for()
+    def flow(live: Live) -> None:
+        engine.wait_for()
+        while not live.ended.is_set() and time.monotonic() - started < 15:
+            engine.send([removed([1])])
+            time.sleep(0.01)  # the stream's pace, not a wait for anything
+
     started = time.monotonic()
-    while proc.poll() is None and time.monotonic() - started < 15:
-        engine.send([removed([1])])
-        time.sleep(0.01)
-    rc, out, err = finish(proc)
+    result = run_main("tap", engine.endpoint, "--duration", "1.5", *mode, alongside=flow)
+    rc, err = result.code, result.err
     assert rc == 0 and "stopped by --duration" in err
     assert time.monotonic() - started < 10
 
 
 @pytest.mark.parametrize("mode", [[], ["--json"]])
 def test_idle_timeout_stops_a_silent_stream(engine, mode):
-    proc = start_kvctl("tap", engine.endpoint, "--idle-timeout", "0.5", *mode)
-    engine.wait_for()
-    engine.send([removed([1])])
-    rc, out, err = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        engine.send([removed([1])])
+
+    rc, out, err = run_while(send, "tap", engine.endpoint, "--idle-timeout", "0.5", *mode)
     assert rc == 0 and "stopped by --idle-timeout" in err and "1 event (" in err
 
 
 def test_sequence_anomalies_are_counted_and_shown(engine):
-    proc = start_kvctl("tap", engine.endpoint, "--json", "--idle-timeout", "1")
-    engine.wait_for()
-    for seq in (0, 1, 4, 4, 2, 0, 0):
-        engine.send([removed([seq])], seq=seq)
-    rc, out, err = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        for seq in (0, 1, 4, 4, 2, 0, 0):
+            engine.send([removed([seq])], seq=seq)
+
+    rc, out, err = run_while(send, "tap", engine.endpoint, "--json", "--idle-timeout", "1")
     assert rc == 0
     assert "gap from" in err and "seq 2..3 missing (2 batches, not recovered)" in err
     assert "duplicate from" in err and "late arrival from" in err and "restart from" in err
@@ -188,18 +206,28 @@ def test_sequence_anomalies_are_counted_and_shown(engine):
 @pytest.mark.parametrize("with_topic", [True, False])
 def test_gap_recovered_from_replay_socket(engine, with_topic):
     replay = ReplayServer(f"tcp://127.0.0.1:{free_port()}", with_topic=with_topic)
-    try:
-        proc = start_kvctl(
-            "tap", engine.endpoint, "--replay-endpoint", replay.endpoint, "--json", "-c", "5"
-        )
+
+    def publish(live: Live) -> None:
         engine.wait_for()
         for seq in range(5):
             frames = engine.batch([removed([seq])], seq=seq)
             replay.remember(seq, frames[0], frames[2])
             if seq not in (2, 3):  # the engine "drops" 2 and 3 on the live socket
                 engine.send_raw(frames)
-        serve_replays_until_exit(replay, proc)
-        rc, out, err = finish(proc)
+        serve_replays_until(replay, live.ended.is_set)
+
+    try:
+        result = run_main(
+            "tap",
+            engine.endpoint,
+            "--replay-endpoint",
+            replay.endpoint,
+            "--json",
+            "-c",
+            "5",
+            alongside=publish,
+        )
+        rc, out, err = result.code, result.out, result.err
     finally:
         replay.close()
     assert rc == 0, err
@@ -210,14 +238,15 @@ def test_gap_recovered_from_replay_socket(engine, with_topic):
 
 
 def test_bad_input_is_counted_shown_and_never_fatal(engine):
-    proc = start_kvctl("tap", engine.endpoint, "--json", "--idle-timeout", "1")
-    engine.wait_for()
-    engine.send_raw([b"", (0).to_bytes(8, "big"), b"\xde\xad\xbe\xef"])
-    engine.send_raw([b"only-one-frame"])
-    engine.send_raw([b"", b"", b"", b"", b""])
-    engine.send_raw([b"", (1).to_bytes(8, "big"), b"\xdd\xff\xff\xff\xff"])  # huge array
-    engine.send([removed([7])], seq=2)
-    rc, out, err = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        engine.send_raw([b"", (0).to_bytes(8, "big"), b"\xde\xad\xbe\xef"])
+        engine.send_raw([b"only-one-frame"])
+        engine.send_raw([b"", b"", b"", b"", b""])
+        engine.send_raw([b"", (1).to_bytes(8, "big"), b"\xdd\xff\xff\xff\xff"])  # huge array
+        engine.send([removed([7])], seq=2)
+
+    rc, out, err = run_while(send, "tap", engine.endpoint, "--json", "--idle-timeout", "1")
     assert rc == 0
     assert err.count("malformed message from") == 4
     assert "de ad be ef" in err  # hex preview
@@ -226,10 +255,11 @@ def test_bad_input_is_counted_shown_and_never_fatal(engine):
 
 
 def test_strict_exits_1_on_malformed(engine):
-    proc = start_kvctl("tap", engine.endpoint, "--strict", "--idle-timeout", "5")
-    engine.wait_for()
-    engine.send_raw([b"", (0).to_bytes(8, "big"), b"\xc1"])
-    rc, out, err = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        engine.send_raw([b"", (0).to_bytes(8, "big"), b"\xc1"])
+
+    rc, out, err = run_while(send, "tap", engine.endpoint, "--strict", "--idle-timeout", "5")
     assert rc == 1 and "malformed" in err and "Traceback" not in err
 
 
@@ -245,9 +275,9 @@ def test_interrupt_prints_summary_and_exits_130(engine):
 
 def test_dead_endpoint_is_a_clear_error():
     port = free_port()
-    result = run_kvctl("tap", f"tcp://127.0.0.1:{port}", "--connect-timeout", "0.5")
-    err = result.stderr.decode()
-    assert result.returncode == 1
+    result = run_main("tap", f"tcp://127.0.0.1:{port}", "--connect-timeout", "0.5")
+    err = result.err
+    assert result.code == 1
     last = err.splitlines()[-1]
     assert last.startswith(f"kvctl: tcp://127.0.0.1:{port}: connection refused after 0.5 s")
     assert "Traceback" not in err
@@ -270,31 +300,34 @@ def test_dead_endpoint_is_a_clear_error():
     ],
 )
 def test_usage_errors_exit_2(args):
-    result = run_kvctl(*args)
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr.decode()
+    result = run_main(*args)
+    assert result.code == 2, result.err
+    assert "Traceback" not in result.err
 
 
 def test_max_queue_from_environment():
-    result = run_kvctl("tap", "tcp://127.0.0.1:1", env={"KVCTL_TAP_MAX_QUEUE": "10k"})
-    assert result.returncode == 2 and b"KVCTL_TAP_MAX_QUEUE" in result.stderr, result.stderr
+    result = run_main("tap", "tcp://127.0.0.1:1", env={"KVCTL_TAP_MAX_QUEUE": "10k"})
+    assert result.code == 2 and "KVCTL_TAP_MAX_QUEUE" in result.err, result.err
 
 
 def test_options_from_environment(engine):
-    proc = start_kvctl("tap", engine.endpoint, "--json", env={"KVCTL_TAP_COUNT": "1"})
-    engine.wait_for()
-    engine.send([removed([1]), removed([2])])
-    rc, out, err = finish(proc)
+    def send() -> None:
+        engine.wait_for()
+        engine.send([removed([1]), removed([2])])
+
+    rc, out, err = run_while(send, "tap", engine.endpoint, "--json", env={"KVCTL_TAP_COUNT": "1"})
     assert rc == 0 and len(json_lines(out)) == 1
 
 
 def test_ipc_endpoint(tmp_path):
     engine = Engine(f"ipc://{tmp_path}/engine.sock")
-    try:
-        proc = start_kvctl("tap", engine.endpoint, "--json", "-c", "1")
+
+    def send() -> None:
         engine.wait_for()
         engine.send([removed([5])])
-        rc, out, err = finish(proc)
+
+    try:
+        rc, out, err = run_while(send, "tap", engine.endpoint, "--json", "-c", "1")
     finally:
         engine.close()
     assert rc == 0, err
@@ -327,8 +360,8 @@ def test_a_closed_pipe_ends_quietly_with_exit_0(tmp_path, mode):
     import sys
 
     path = tmp_path / "r.parquet"
-    sim = run_kvctl("simulate", "-o", str(path), "--workers", "1", "--requests", "200", "-q")
-    assert sim.returncode == 0, sim.stderr
+    sim = run_main("simulate", "-o", str(path), "--workers", "1", "--requests", "200", "-q")
+    assert sim.code == 0, sim.err
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvctl", "cat", str(path), *mode],
         stdout=subprocess.PIPE,
@@ -344,22 +377,26 @@ def test_a_closed_pipe_ends_quietly_with_exit_0(tmp_path, mode):
 def test_a_malformed_message_is_not_also_a_gap(engine, tmp_path):
     """[seq 0 ok, seq 1 malformed, seq 2 ok]: 0 gaps and 1 malformed, live and read back."""
     recording = tmp_path / "run.parquet"
-    record = start_kvctl("record", engine.endpoint, "-o", str(recording), "--idle-timeout", "1")
-    tap = start_kvctl("tap", engine.endpoint, "--json", "--idle-timeout", "1")
-    engine.wait_for(subscribers=2)
-    engine.send([removed([0])], seq=0)
-    engine.send_raw([b"", (1).to_bytes(8, "big"), b"\xc1"])
-    engine.send([removed([2])], seq=2)
-    for proc in (tap, record):
-        rc, out, err = finish(proc)
+    record = start_kvctl(
+        "record", engine.endpoint, "-o", str(recording), "--idle-timeout", "1", drain=True
+    )
+
+    def send() -> None:
+        engine.wait_for(subscribers=2)  # record (a process) and tap (here)
+        engine.send([removed([0])], seq=0)
+        engine.send_raw([b"", (1).to_bytes(8, "big"), b"\xc1"])
+        engine.send([removed([2])], seq=2)
+
+    tapped = run_while(send, "tap", engine.endpoint, "--json", "--idle-timeout", "1")
+    for rc, _, err in (tapped, finish(record)):
         assert rc == 0, err
         assert "gaps 0 (0 batches missing" in err and "malformed 1" in err, err
-    cat = run_kvctl("cat", str(recording), "--json")
-    summary = cat.stderr.decode()
-    assert cat.returncode == 0, summary
+    cat = run_main("cat", str(recording), "--json")
+    summary = cat.err
+    assert cat.code == 0, summary
     assert "gaps 0 (0 batches missing" in summary and "malformed 1" in summary, summary
-    check = run_kvctl("check", str(recording), "--json")
-    report = json.loads(check.stdout)
+    check = run_main("check", str(recording), "--json")
+    report = json.loads(check.out)
     counts = {rule["id"]: rule["count"] for rule in report["rules"]}
     assert counts.get("KV001") == 1 and "KV301" not in counts, report
     assert report["stream"]["gaps"] == 0 and report["stream"]["malformed"] == 1
@@ -369,8 +406,17 @@ def test_a_silent_replay_endpoint_is_warned_about_once_and_never_stalls_the_loop
     """A replay socket that takes the request and never answers, and a stream with a gap
     after every batch: every batch is processed, one warning, in bounded time."""
     silent = ReplayServer(f"tcp://127.0.0.1:{free_port()}")  # never serves: never answers
+    times: list[float] = []
+
+    def send() -> None:
+        engine.wait_for()
+        times.append(time.monotonic())
+        for i in range(300):
+            engine.send([removed([i])], seq=2 * i)  # every odd seq is missing
+
     try:
-        proc = start_kvctl(
+        rc, out, err = run_while(
+            send,
             "tap",
             engine.endpoint,
             "--replay-endpoint",
@@ -378,13 +424,9 @@ def test_a_silent_replay_endpoint_is_warned_about_once_and_never_stalls_the_loop
             "--json",
             "--idle-timeout",
             "1",
+            timeout=30,
         )
-        engine.wait_for()
-        started = time.monotonic()
-        for i in range(300):
-            engine.send([removed([i])], seq=2 * i)  # every odd seq is missing
-        rc, out, err = finish(proc, timeout=30)
-        elapsed = time.monotonic() - started
+        elapsed = time.monotonic() - times[0]
     finally:
         silent.close()
     assert rc == 0, err
