@@ -1,4 +1,5 @@
-"""Real parts only: ZMQ sockets on 127.0.0.1, a real nats-server, kvctl run as a subprocess."""
+"""Real parts only: ZMQ sockets on 127.0.0.1, a real nats-server, kvctl run in-process (see
+``inprocess.py``) or as a subprocess where a process boundary is the point."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# kvctl's output is tested as a pipe sees it. pytest-xdist's workers inherit COLUMNS=80 and
+# LINES=24 from their pseudo-terminal, which would cut every table at 80 columns: a test that
+# wants a width passes COLUMNS itself.
+for _variable in ("COLUMNS", "LINES"):
+    os.environ.pop(_variable, None)
 
 
 def free_port() -> int:
