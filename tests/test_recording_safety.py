@@ -3,6 +3,7 @@ delete or mix data they did not write in this run (issue 10)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import tempfile
@@ -364,3 +365,31 @@ def test_recover_quiet_says_nothing_but_errors(tmp_path, capsys):
     assert seqs(path) == [0, 1, 2]
     code, _, err = kvctl(capsys, "recover", tmp_path / "none.parquet", "-q")
     assert code == 1 and err.startswith("kvctl: "), err
+
+
+def _children() -> list[str]:
+    """Command lines of this process's live children (from /proc: no ps needed)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.skipif(
+    not os.access("/proc", os.W_OK), reason="needs /proc to look writable (Linux, as root)"
+)
+def test_a_journal_that_cannot_be_opened_leaves_no_converter_running():
+    """/proc passes record's check that the output's directory is writable, yet no file can
+    be made there: the journal fails at the first flush. record exits 1 with one line, and its
+    converter process does not outlive it (in-process: nothing left behind)."""
+    result = run_main(
+        "record", "tcp://127.0.0.1:1", "-o", "/proc/kvctl-test.parquet", "--duration", "0.5"
+    )
+    assert result.code == 1 and "cannot write" in result.err, result.err
+    assert not [c for c in _children() if "kvctl.recording.converter" in c]

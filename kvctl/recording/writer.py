@@ -340,6 +340,15 @@ class RecordingWriter:
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
+        try:
+            summary = self._finish()
+        except BaseException:
+            self._release_converter()  # no converter process outlives a failed close
+            raise
+        self._summary = summary
+        return summary
+
+    def _finish(self) -> dict[str, Any]:
         error = self._refusal
         if error is not None:
             raise error
@@ -377,8 +386,19 @@ class RecordingWriter:
         }
         summary["bytes"] = summary.pop("parquet_bytes")
         summary["ratio"] = summary["bytes"] / summary["raw_bytes"] if summary["raw_bytes"] else None
-        self._summary = summary
         return summary
+
+    def _release_converter(self) -> None:
+        """After a failure: the converter finishes the journals already sealed (each one it
+        does not finish stays for `kvctl recover`), then exits."""
+        conv = self._converter
+        if conv is None:
+            return
+        try:
+            self._drain_converter()
+        except Exception:
+            conv.kill()
+            self._converter = None
 
     def __enter__(self) -> RecordingWriter:
         return self
