@@ -76,8 +76,8 @@ _DICT = (
 # default pages (1 MB, at most 20,000 rows) cut a row group into pieces shorter than the
 # distance between a block and its repeat, or between a hash stored and the same hash removed.
 # A row group's token ids are ~8 MB (Zipf) to ~18 MB (random) uncompressed. Disk / raw with the
-# encodings above, by page size: 1 MB/20k rows 0.374 Zipf / 0.459 random; 2 MB 0.319 / 0.458;
-# 4 MB 0.288 / 0.458; 8 MB 0.253 / 0.458. Bigger pages cost memory (a page is buffered
+# encodings above, by page size: 1 MB/20k rows 0.374 Zipf / 0.459 random; 2 MB 0.32 / 0.458;
+# 4 MB 0.282 / 0.458; 8 MB 0.253 / 0.458. Bigger pages cost memory (a page is buffered
 # several times over while it is split and compressed): the peak of a conversion of random
 # tokens is ~10 MB below today's dictionary-encoded 1 MB pages with 4 MB, ~30 MB above with 8.
 _PAGE_BYTES = 4 << 20
