@@ -1,7 +1,8 @@
 """Benchmark the recording write path: bytes on disk vs raw msgpack, and rows/s.
 
     .venv/bin/python bench/record_disk.py [--events 200000] [--level 6] [--raw-frames auto]
-                                          [--sweep]
+                                          [--sweep] [--columns]
+    .venv/bin/python bench/record_disk.py --tokens random [--batches 50000]
 
 Workload: a vLLM-like engine with prefix caching. Requests are a shared system prompt + a
 shared document + a fresh user turn (Zipf-distributed token ids over a 128k vocabulary),
@@ -11,7 +12,13 @@ stores one block per 16 generated tokens, an LRU evicts with BlockRemoved events
 published in batches of 4-16 as vLLM map-form msgpack (what vLLM >= 0.24 sends), decoded by
 kvctl's own decoder and handed to ``RecordingWriter`` exactly as ``kvctl record`` will.
 
-Reported: bytes on disk / raw payload bytes (issue target <= 0.35), and rows/s of the writer
+``--tokens random`` records instead the stream of the throughput benchmarks
+(``bench/_stream.py``: uniformly random token ids and hashes, incompressible; its entropy floor
+is ~0.42 of the msgpack bytes).
+
+Reported: bytes on disk / raw payload bytes (issue targets <= 0.30 Zipf, <= 0.44 random tokens),
+with ``--columns`` the bytes of each column (from the file's Parquet metadata), and rows/s of the
+writer
 (write + raw journal + the converter process re-decoding to Parquet, until close returns) vs a
 bare loop that only builds ``pa.RecordBatch``es of the core columns from the same events.
 """
@@ -125,6 +132,29 @@ class Workload:
         return out
 
 
+def random_token_frames(batches: int) -> list[list[bytes]]:
+    """The throughput benchmarks' stream, framed as their publisher sends it."""
+    from _stream import realistic_payloads
+
+    return [[b"", seq.to_bytes(8, "big"), p] for seq, p in enumerate(realistic_payloads(batches))]
+
+
+def column_bytes(path: Path) -> dict[str, int]:
+    """Compressed bytes of each column over all row groups (nested columns by leaf path)."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    sizes: dict[str, int] = {}
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            column = group.column(c)
+            sizes[column.path_in_schema] = (
+                sizes.get(column.path_in_schema, 0) + column.total_compressed_size
+            )
+    return sizes
+
+
 def bare_loop(batches: list[Batch], chunk: int = 16 * 1024) -> float:
     """Seconds to turn the events into core-column RecordBatches, nothing else."""
     import pyarrow as pa
@@ -186,6 +216,7 @@ def run(
     summary = w.close()
     total_s = time.perf_counter() - t0
     return {
+        "columns": column_bytes(out),
         "level": level,
         "raw_frames": raw_frames,
         "bytes": summary["bytes"],
@@ -199,16 +230,22 @@ def run(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--events", type=int, default=200_000)
+    ap.add_argument("--tokens", default="zipf", choices=["zipf", "random"], help="workload")
+    ap.add_argument("--events", type=int, default=200_000, help="events of the Zipf workload")
+    ap.add_argument("--batches", type=int, default=50_000, help="batches of the random one")
     ap.add_argument("--level", type=int, default=None, help="zstd level (default: kvctl's)")
     ap.add_argument("--raw-frames", default="auto", choices=["auto", "always"])
     ap.add_argument("--sweep", action="store_true", help="try zstd levels and raw_frames modes")
+    ap.add_argument("--columns", action="store_true", help="bytes of each column")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     from kvctl.recording.convert import DEFAULT_ZSTD_LEVEL
 
     t0 = time.perf_counter()
-    frames = Workload().frames(args.events)
+    if args.tokens == "zipf":
+        frames = Workload().frames(args.events)
+    else:
+        frames = random_token_frames(args.batches)
     gen_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     batches = [
@@ -222,7 +259,8 @@ def main() -> None:
     bare_s = bare_loop(batches)
     print(
         f"workload: {events} events in {len(batches)} batches, "
-        f"{payload / events:.0f} B/event msgpack, generated in {gen_s:.1f}s, "
+        f"{payload / events:.0f} B/event msgpack ({args.tokens} tokens), "
+        f"generated in {gen_s:.1f}s, "
         f"decoded in {decode_s:.2f}s ({events / decode_s:,.0f} ev/s)",
         file=sys.stderr,
     )
@@ -257,6 +295,9 @@ def main() -> None:
             f"{r['level']:>4} {r['raw_frames']:>6} {r['bytes']:>12,} {r['ratio']:>8.3f} "
             f"{r['rows_per_s']:>10,.0f} {r['vs_bare']:>7.2f} {r['write_s']:>6.2f}s"
         )
+        if args.columns:
+            for name, size in sorted(r["columns"].items(), key=lambda kv: -kv[1]):
+                print(f"     {name:32} {size:>12,} {size / r['bytes']:>6.1%}")
 
 
 if __name__ == "__main__":

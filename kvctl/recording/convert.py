@@ -32,11 +32,26 @@ from .schema import METADATA_KEY, SCHEMA, SCHEMA_VERSION, Gap
 from .tagged_json import from_json_value
 
 DEFAULT_ZSTD_LEVEL = 6
+"""Level 9 saves 1 % more and 15 saves 8 % (bench/record_disk.py), for 1.4x and 4x the time
+spent writing Parquet: the converter has to keep up with the stream, so 6."""
 ROW_GROUP_ROWS = 64 * 1024
+"""Rows buffered before a row group is written: DuckDB and Spark parallelise per row group and
+want >= 64k rows; the rows and the page buffers below are what the converter holds in memory."""
 
-# Parquet tuning (bench/record_disk.py): random 64-bit hashes gain nothing from a dictionary,
-# so they go PLAIN (+zstd); monotonic ints delta-encode; token ids (a Zipf-like vocabulary) and
-# all strings use dictionaries. Nested columns are named by their leaf path.
+# Per-column Parquet encodings, measured with bench/record_disk.py (bytes of each column from
+# the file's metadata; Zipf tokens / random tokens). Nested columns are named by their leaf.
+#
+# Token ids (56-75 % of a file): no dictionary, BYTE_STREAM_SPLIT. Dictionary indices are
+# bit-packed at the vocabulary's width (17-18 bits), which shifts repeated blocks to a new bit
+# alignment each time and hides them from zstd; split into byte planes, a repeated block is a
+# repeated run in every plane, and the high planes of ids < 2**24 compress to almost nothing.
+# Zipf 10.4 -> 6.6 MB, random 21.4 -> 20.2 MB (plain: 7.8 / 24.1 MB).
+_BYTE_STREAM_SPLIT = ("token_ids.list.element",)
+# 64-bit hashes (block, parent) are random: PLAIN, zstd finds the repeats (each BlockRemoved
+# repeats hashes stored earlier). A dictionary measured 21-28 % larger, BYTE_STREAM_SPLIT 0-2 %.
+# Monotonic ints delta-encode.
+_DELTA = ("recv_ns", "seq", "batch_index", "event_id")
+# Strings and the small ints/bools repeated along a batch: dictionary + RLE.
 _DICT = (
     "source",
     "topic",
@@ -48,7 +63,6 @@ _DICT = (
     "recovered",
     "type",
     "hash_signed",
-    "token_ids.list.element",
     "block_size",
     "lora_id",
     "lora_name",
@@ -58,7 +72,16 @@ _DICT = (
     "error",
     "frames_codec",
 )
-_DELTA = ("recv_ns", "seq", "batch_index", "event_id")
+# Pages of up to 4 MB, with no row limit: zstd compresses each page on its own, and Arrow's
+# default pages (1 MB, at most 20,000 rows) cut a row group into pieces shorter than the
+# distance between a block and its repeat, or between a hash stored and the same hash removed.
+# A row group's token ids are ~8 MB (Zipf) to ~18 MB (random) uncompressed. Disk / raw with the
+# encodings above, by page size: 1 MB/20k rows 0.374 Zipf / 0.459 random; 2 MB 0.32 / 0.458;
+# 4 MB 0.282 / 0.458; 8 MB 0.253 / 0.458. Bigger pages cost memory (a page is buffered
+# several times over while it is split and compressed): the peak of a conversion of random
+# tokens is ~10 MB below today's dictionary-encoded 1 MB pages with 4 MB, ~30 MB above with 8.
+_PAGE_BYTES = 4 << 20
+_PAGE_ROWS = 1 << 30
 
 
 def parquet_options(compression_level: int) -> dict[str, Any]:
@@ -67,7 +90,12 @@ def parquet_options(compression_level: int) -> dict[str, Any]:
         "compression": "zstd",
         "compression_level": compression_level,
         "use_dictionary": list(_DICT),
-        "column_encoding": dict.fromkeys(_DELTA, "DELTA_BINARY_PACKED"),
+        "column_encoding": {
+            **dict.fromkeys(_DELTA, "DELTA_BINARY_PACKED"),
+            **dict.fromkeys(_BYTE_STREAM_SPLIT, "BYTE_STREAM_SPLIT"),
+        },
+        "data_page_size": _PAGE_BYTES,
+        "max_rows_per_page": _PAGE_ROWS,
     }
 
 
