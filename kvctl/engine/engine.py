@@ -30,7 +30,7 @@ from typing import Any
 
 from kvctl.events import BLOCK_REMOVED, BLOCK_STORED, Event
 
-from .cache import BlockPool, extend_hashes, make_hasher
+from .cache import BlockPool, extend_hashes
 
 DEFAULT_STEP_OVERHEAD_S = 0.008
 DEFAULT_TOKEN_COST_S = 25e-6
@@ -50,7 +50,7 @@ class Request:
         "known",
         "computed",
         "n_held",
-        "n_unfilled",
+        "n_blocks",
         "counted",
         "hit_tokens",
         "session",
@@ -78,7 +78,7 @@ class Request:
         self.known = prompt_len  # tokens known so far: prompt + outputs generated
         self.computed = 0  # tokens whose KV is in the cache
         self.n_held = 0  # cached blocks held (== hashes[:n_held])
-        self.n_unfilled = 0  # blocks held that are not full yet
+        self.n_blocks = 0  # blocks held: the n_held cached ones, then those not full yet
         self.counted = False  # prompt/hit tokens counted (first admission only)
         self.hit_tokens = 0
         self.session = session
@@ -115,7 +115,9 @@ class Worker:
         self.medium = medium
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
-        self._hasher = make_hasher(block_size)
+        self._queued_tokens = 0
+        """Tokens still to compute over running + waiting, kept up to date by every change of
+        a request's ``known``/``computed`` (the KV router asks for it per worker per arrival)."""
         # counters
         self.steps = 0
         self.prompt_tokens = 0
@@ -144,13 +146,12 @@ class Worker:
             self.rejected += 1
             return False
         self.waiting.append(req)
+        self._queued_tokens += req.known - req.computed
         return True
 
     def queued_tokens(self) -> int:
         """Tokens still to compute for the requests queued and running here."""
-        return sum(r.known - r.computed for r in self.running) + sum(
-            r.known - r.computed for r in self.waiting
-        )
+        return self._queued_tokens
 
     def cached_prefix_blocks(self, hashes: Sequence[int], limit: int | None = None) -> int:
         """Blocks of ``hashes`` (a chained prefix) cached here: what a KV-aware router sees."""
@@ -158,22 +159,31 @@ class Worker:
 
     # -- the scheduler step ----------------------------------------------------------------
     def step(self, now: float = 0.0) -> tuple[list[Event], float, list[Request]]:
-        """Run one scheduler step at time ``now``: (events, duration in s, finished requests)."""
+        """Run one scheduler step at time ``now``: (events, duration in s, finished requests).
+
+        Scheduling a request advances its ``computed``/``known`` at once; only requests with a
+        block that became full are visited again, to commit it, after every allocation of the
+        step (the order the pool sees: allocations and evictions, then commits, then
+        releases). A request scheduled here is never a preemption victim in the same step:
+        victims are taken from the tail of ``running``, past the request being scheduled."""
         pool = self.pool
         bs = self.block_size
         budget = self.max_num_batched_tokens
         removed: list[int] = []
-        sched: list[tuple[Request, int]] = []
+        filled: list[Request] = []  # scheduled requests with a block that became full, in order
+        finished: list[Request] = []
         running = self.running
         preempted = False
 
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = req.known - req.computed
+            computed = req.computed
+            n = req.known - computed
             if n > budget:
                 n = budget
-            need = (req.computed + n + bs - 1) // bs - req.n_held - req.n_unfilled
+            c = computed + n
+            need = (c + bs - 1) // bs - req.n_blocks
             if need > 0:
                 while not pool.allocate(need, removed):
                     victim = running.pop()
@@ -182,15 +192,21 @@ class Worker:
                     if victim is req:
                         break
                 else:
-                    req.n_unfilled += need
-                    sched.append((req, n))
-                    budget -= n
-                    i += 1
-                    continue
-                break
-            sched.append((req, n))
+                    req.n_blocks += need
+                if i == len(running):  # it was preempted itself: no room for it this step
+                    break
+            req.computed = c
             budget -= n
             i += 1
+            if c // bs > req.n_held:
+                filled.append(req)
+            if c == req.known:
+                req.known = c + 1
+                self._queued_tokens += 1 - n
+                if c + 1 == len(req.tokens):
+                    finished.append(req)
+            else:
+                self._queued_tokens -= n
 
         if not preempted:
             waiting = self.waiting
@@ -218,38 +234,38 @@ class Worker:
                     pool.touch(hashes[:m])
                 pool.allocate(need, removed)
                 req.n_held = m
-                req.n_unfilled = need
-                req.computed = computed
+                req.n_blocks = m + need
                 if not req.counted:
                     req.counted = True
                     req.hit_tokens = computed
                     self.prompt_tokens += req.prompt_len
                     self.hit_tokens += computed
                 running.append(req)
-                sched.append((req, n))
                 budget -= n
+                c = computed + n
+                self._queued_tokens -= c - req.computed
+                req.computed = c
+                if c // bs > m:
+                    filled.append(req)
+                if c == known:
+                    req.known = c + 1
+                    self._queued_tokens += 1
+                    if c + 1 == len(req.tokens):
+                        finished.append(req)
 
         events: list[Event] = []
         if removed:
             events.append({"type": BLOCK_REMOVED, "block_hashes": removed, "medium": self.medium})
             self.removed_blocks += len(removed)
             self.remove_events += 1
-        finished: list[Request] = []
-        for req, n in sched:
-            c = req.computed + n
-            req.computed = c
-            full = c // bs
-            if full > req.n_held:
-                self._commit(req, full, events)
-            if c == req.known:
-                req.known = c + 1
-                if c + 1 == len(req.tokens):
-                    finished.append(req)
+        for req in filled:
+            self._commit(req, req.computed // bs, events)
         if finished:
             for req in finished:
                 running.remove(req)
-                pool.release(req.hashes[: req.n_held], req.n_unfilled)
-                req.n_held = req.n_unfilled = 0
+                self._queued_tokens -= req.known - req.computed
+                pool.release(req.hashes[: req.n_held], req.n_blocks - req.n_held)
+                req.n_held = req.n_blocks = 0
                 req.finish_time = now
             self.finished += len(finished)
         tokens = self.max_num_batched_tokens - budget
@@ -278,7 +294,6 @@ class Worker:
                     start = -1
         if start >= 0:
             self._emit(req, start, full, events)
-        req.n_unfilled -= full - first
         req.n_held = full
 
     def _emit(self, req: Request, a: int, b: int, events: list[Event]) -> None:
@@ -300,8 +315,9 @@ class Worker:
         self.store_events += 1
 
     def _preempt(self, req: Request) -> None:
-        self.pool.release(req.hashes[: req.n_held], req.n_unfilled)
-        req.n_held = req.n_unfilled = 0
+        self.pool.release(req.hashes[: req.n_held], req.n_blocks - req.n_held)
+        req.n_held = req.n_blocks = 0
+        self._queued_tokens += req.computed
         req.computed = 0
         self.waiting.appendleft(req)
         self.preemptions += 1

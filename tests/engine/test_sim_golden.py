@@ -81,3 +81,14 @@ def stream_digest(**config: Any) -> str:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_same_seed_same_stream(case: str) -> None:
     assert stream_digest(**CASES[case]) == DIGESTS[case]
+
+
+def test_queued_tokens_follow_every_step() -> None:
+    """The KV router's per-worker queued-token count is kept incrementally: it equals the sum
+    over running and waiting requests after every step, preemptions included."""
+    fleet = Fleet(FleetConfig(**CASES["random-tight"]))
+    for _ in fleet.run():
+        for worker in fleet.workers:
+            queue = [*worker.running, *worker.waiting]
+            assert worker.queued_tokens() == sum(r.known - r.computed for r in queue)
+    assert fleet.stats()["total"]["preemptions"] > 0
