@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 import xxhash
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_pack_u64 = struct.Struct("<Q").pack
 
 Hasher = Callable[[int | None, Sequence[int]], int]
 _HASHERS: dict[int, Hasher] = {}
@@ -37,11 +36,12 @@ def make_hasher(block_size: int) -> Hasher:
     hasher = _HASHERS.get(block_size)
     if hasher is None:
         pack = struct.Struct(f"<{block_size}I").pack
+        pack_chained = struct.Struct(f"<Q{block_size}I").pack  # parent and tokens in one call
 
         def hasher(parent: int | None, tokens: Sequence[int]) -> int:
             if parent is None:
                 return _xxh3(pack(*tokens))
-            return _xxh3(_pack_u64(parent) + pack(*tokens))
+            return _xxh3(pack_chained(parent, *tokens))
 
         _HASHERS[block_size] = hasher
     return hasher

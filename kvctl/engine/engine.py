@@ -45,6 +45,7 @@ class Request:
         "tokens",
         "prompt_len",
         "output_len",
+        "last",
         "arrival",
         "hashes",
         "known",
@@ -72,6 +73,7 @@ class Request:
         self.tokens = tokens
         self.prompt_len = prompt_len
         self.output_len = len(tokens) - prompt_len
+        self.last = len(tokens) - 1  # tokens computed when it finishes (the last needs no KV)
         self.arrival = arrival
         self.hashes: list[int] = hashes if hashes is not None else []
         """Chained hashes of the full blocks of ``tokens``, computed lazily (a valid prefix)."""
@@ -176,7 +178,8 @@ class Worker:
         preempted = False
 
         i = 0
-        while i < len(running) and budget > 0:
+        end = len(running)
+        while i < end and budget > 0:
             req = running[i]
             computed = req.computed
             n = req.known - computed
@@ -187,13 +190,14 @@ class Worker:
             if need > 0:
                 while not pool.allocate(need, removed):
                     victim = running.pop()
+                    end -= 1
                     self._preempt(victim)
                     preempted = True
                     if victim is req:
                         break
                 else:
                     req.n_blocks += need
-                if i == len(running):  # it was preempted itself: no room for it this step
+                if i == end:  # it was preempted itself: no room for it this step
                     break
             req.computed = c
             budget -= n
@@ -203,7 +207,7 @@ class Worker:
             if c == req.known:
                 req.known = c + 1
                 self._queued_tokens += 1 - n
-                if c + 1 == len(req.tokens):
+                if c == req.last:
                     finished.append(req)
             else:
                 self._queued_tokens -= n
@@ -226,7 +230,7 @@ class Worker:
                 need = (computed + n + bs - 1) // bs - m
                 if need > pool.empty:
                     # hit blocks in the free list stop being evictable once referenced
-                    pinned = sum(1 for k in range(m) if refs[hashes[k]] == 0)
+                    pinned = list(map(refs.__getitem__, hashes[:m])).count(0)
                     if pool.empty + len(pool.free) - pinned < need:
                         break
                 waiting.popleft()
@@ -250,7 +254,7 @@ class Worker:
                 if c == known:
                     req.known = c + 1
                     self._queued_tokens += 1
-                    if c + 1 == len(req.tokens):
+                    if c == req.last:
                         finished.append(req)
 
         events: list[Event] = []
