@@ -176,11 +176,13 @@ class Worker:
         finished: list[Request] = []
         running = self.running
         preempted = False
+        queued = self._queued_tokens
 
-        i = 0
-        end = len(running)
-        while i < end and budget > 0:
-            req = running[i]
+        # Iterating ``running`` while preemption pops its tail is safe: the iterator stops at
+        # the shortened end, and a request that preempts itself ends the loop.
+        for req in running:
+            if budget <= 0:
+                break
             computed = req.computed
             n = req.known - computed
             if n > budget:
@@ -190,27 +192,26 @@ class Worker:
             if need > 0:
                 while not pool.allocate(need, removed):
                     victim = running.pop()
-                    end -= 1
-                    self._preempt(victim)
+                    queued += self._preempt(victim)
                     preempted = True
                     if victim is req:
                         break
                 else:
                     req.n_blocks += need
-                if i == end:  # it was preempted itself: no room for it this step
+                    need = 0
+                if need:  # it preempted itself: no room for it this step
                     break
             req.computed = c
             budget -= n
-            i += 1
             if c // bs > req.n_held:
                 filled.append(req)
             if c == req.known:
                 req.known = c + 1
-                self._queued_tokens += 1 - n
+                queued += 1 - n
                 if c == req.last:
                     finished.append(req)
             else:
-                self._queued_tokens -= n
+                queued -= n
 
         if not preempted:
             waiting = self.waiting
@@ -247,13 +248,13 @@ class Worker:
                 running.append(req)
                 budget -= n
                 c = computed + n
-                self._queued_tokens -= c - req.computed
+                queued -= c - req.computed
                 req.computed = c
                 if c // bs > m:
                     filled.append(req)
                 if c == known:
                     req.known = c + 1
-                    self._queued_tokens += 1
+                    queued += 1
                     if c == req.last:
                         finished.append(req)
 
@@ -267,11 +268,12 @@ class Worker:
         if finished:
             for req in finished:
                 running.remove(req)
-                self._queued_tokens -= req.known - req.computed
+                queued -= req.known - req.computed
                 pool.release(req.hashes[: req.n_held], req.n_blocks - req.n_held)
                 req.n_held = req.n_blocks = 0
                 req.finish_time = now
             self.finished += len(finished)
+        self._queued_tokens = queued
         tokens = self.max_num_batched_tokens - budget
         self.tokens_computed += tokens
         self.steps += 1
@@ -318,13 +320,16 @@ class Worker:
         self.stored_blocks += b - a
         self.store_events += 1
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request) -> int:
+        """Send ``req`` back to the front of the queue; returns the tokens it has to compute
+        again (added to the queued tokens)."""
         self.pool.release(req.hashes[: req.n_held], req.n_blocks - req.n_held)
         req.n_held = req.n_blocks = 0
-        self._queued_tokens += req.computed
+        recompute = req.computed
         req.computed = 0
         self.waiting.appendleft(req)
         self.preemptions += 1
+        return recompute
 
     # -- reporting -------------------------------------------------------------------------
     @property
