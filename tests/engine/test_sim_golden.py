@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+from inprocess import run_main
 
 from kvctl.engine import ChatParams, Fleet, FleetConfig
+from kvctl.recording.reader import open_recording
 
 SMALL = ChatParams(
     prefix_len=(20, 60),
@@ -68,6 +71,8 @@ DIGESTS = {
     "duration": "58b8954337f128b8a0c90e2cdc138a66eaf45c44a758b974fd8c927642632d80",
 }
 
+RECORDING_DIGEST = "fada6fd7c33b9d28ce5174ec94ad56bb015b5daa75c43e47873bc1e335388b1c"
+
 
 def stream_digest(**config: Any) -> str:
     fleet = Fleet(FleetConfig(**config))
@@ -92,3 +97,21 @@ def test_queued_tokens_follow_every_step() -> None:
             queue = [*worker.running, *worker.waiting]
             assert worker.queued_tokens() == sum(r.known - r.computed for r in queue)
     assert fleet.stats()["total"]["preemptions"] > 0
+
+
+def test_recording_of_a_seed_is_pinned(tmp_path: Path) -> None:
+    """``simulate -o`` with a seed and an epoch writes the same frames, byte for byte (the
+    payload shortcut of the recording target included)."""
+    path = tmp_path / "sim.parquet"
+    args = ("--workers", "3", "--requests", "60", "--num-blocks", "300", "--seed", "5")
+    result = run_main("simulate", "-o", str(path), *args, "--epoch", "1e9", "-q")
+    assert result.code == 0, result.err
+    digest = hashlib.sha256()
+    batches = 0
+    for batch in open_recording(path):
+        batches += 1
+        for frame in batch.frames:
+            digest.update(len(frame).to_bytes(8, "big"))
+            digest.update(frame)
+    assert batches == 1502
+    assert digest.hexdigest() == RECORDING_DIGEST
