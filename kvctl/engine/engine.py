@@ -286,6 +286,15 @@ class Worker:
         if len(hashes) < full:
             extend_hashes(hashes, req.tokens, full, bs)
         refs = self.pool.refs
+        if full == first + 1:  # one block, as in every decode step: no run to track
+            h = hashes[first]
+            if h in refs:
+                self.pool.commit(h)
+            else:
+                refs[h] = 1
+                self._emit(req, first, full, events)
+            req.n_held = full
+            return
         start = -1
         for k in range(first, full):
             h = hashes[k]
