@@ -184,12 +184,13 @@ class Worker:
             if budget <= 0:
                 break
             computed = req.computed
-            n = req.known - computed
+            known = req.known
+            n = known - computed
             if n > budget:
                 n = budget
             c = computed + n
-            need = (c + bs - 1) // bs - req.n_blocks
-            if need > 0:
+            if c > req.n_blocks * bs:  # its blocks cannot hold c tokens: allocate more
+                need = (c + bs - 1) // bs - req.n_blocks
                 while not pool.allocate(need, removed):
                     victim = running.pop()
                     queued += self._preempt(victim)
@@ -205,7 +206,7 @@ class Worker:
             budget -= n
             if c // bs > req.n_held:
                 filled.append(req)
-            if c == req.known:
+            if c == known:
                 req.known = c + 1
                 queued += 1 - n
                 if c == req.last:
