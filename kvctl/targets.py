@@ -10,8 +10,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
+
 from .errors import UsageError
-from .events import U64_MASK, Batch, Event, bytes_hash_to_int
+from .events import BLOCK_REMOVED, BLOCK_STORED, U64_MASK, Batch, Event, bytes_hash_to_int
 from .formats import dynamo, encoding_named, engine_zmq, format_names
 from .formats.codec import NATS, ZMQ, NatsEncoding, ZmqEncoding
 
@@ -317,6 +319,53 @@ class NatsTarget:
         }
 
 
+_VLLM_STORED_KEYS = (
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+)
+_VLLM_REMOVED_KEYS = ("type", "block_hashes", "medium")
+
+
+def _sent_as_is(event: Event) -> bool:
+    """True when vLLM's map encoder would send ``event`` unchanged: vLLM's keys in its order
+    and nothing else, a medium, and hashes that need no conversion (no bytes, no negative
+    ints). The simulator's events all are, so a batch of them is packed without building
+    each event again; anything else goes through the encoder."""
+    keys = tuple(event)
+    if keys == _VLLM_STORED_KEYS:
+        parent = event["parent_block_hash"]
+        if event["type"] != BLOCK_STORED or not (
+            parent is None or (type(parent) is int and parent >= 0)
+        ):
+            return False
+    elif keys != _VLLM_REMOVED_KEYS or event["type"] != BLOCK_REMOVED:
+        return False
+    hashes = event["block_hashes"]
+    if not event["medium"] or type(hashes) is not list:
+        return False
+    try:  # min raises on bytes (alone or among ints); ints >= 0 are sent as they are
+        return not hashes or min(hashes) >= 0
+    except TypeError:
+        return False
+
+
+def engine_payload(
+    encoding: str, events: list[Event], ts: float | None, dp_rank: int | None, array_layout: str
+) -> bytes:
+    """The payload frame an engine's PUB socket sends for ``events`` in ``encoding``: vLLM's
+    map form is packed directly when every event is already sent as it is (byte-identical to
+    the encoder, without rebuilding each event)."""
+    if encoding == "vllm" and all(map(_sent_as_is, events)):
+        return msgpack.packb([ts, events, dp_rank])
+    return zmq_encoding(encoding).payload(events, ts, dp_rank, array_layout)
+
+
 class RecordingTarget:
     """Engine batches written straight into a recording (no sockets): each worker's messages
     are encoded exactly as its PUB socket would send them, seq per worker from 0."""
@@ -346,9 +395,7 @@ class RecordingTarget:
     def write(self, batch: Batch, events: list[Event], slot: int = 0) -> int:
         seq = self.seqs.get(slot, 0)
         self.seqs[slot] = seq + 1
-        payload = zmq_encoding(self.encoding).payload(
-            events, batch.ts, batch.dp_rank, self.array_layout
-        )
+        payload = engine_payload(self.encoding, events, batch.ts, batch.dp_rank, self.array_layout)
         batch.frames = engine_zmq.encode_frames(b"", seq, payload)
         batch.seq = seq
         self.writer.write_message(batch, events)

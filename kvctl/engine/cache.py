@@ -26,24 +26,34 @@ from collections.abc import Callable, Sequence
 import xxhash
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_pack_u64 = struct.Struct("<Q").pack
 
 Hasher = Callable[[int | None, Sequence[int]], int]
-_HASHERS: dict[int, Hasher] = {}
+Packer = Callable[..., bytes]
+_PACKERS: dict[int, tuple[Packer, Packer]] = {}
+
+
+def _packers(block_size: int) -> tuple[Packer, Packer]:
+    """The bytes hashed for a block of ``block_size``: (first block's tokens, parent + tokens),
+    each packed by one call."""
+    packers = _PACKERS.get(block_size)
+    if packers is None:
+        packers = (
+            struct.Struct(f"<{block_size}I").pack,
+            struct.Struct(f"<Q{block_size}I").pack,
+        )
+        _PACKERS[block_size] = packers
+    return packers
 
 
 def make_hasher(block_size: int) -> Hasher:
     """A fast ``hash(parent_hash_or_None, block_tokens) -> u64`` for blocks of ``block_size``."""
-    hasher = _HASHERS.get(block_size)
-    if hasher is None:
-        pack = struct.Struct(f"<{block_size}I").pack
+    pack, pack_chained = _packers(block_size)
 
-        def hasher(parent: int | None, tokens: Sequence[int]) -> int:
-            if parent is None:
-                return _xxh3(pack(*tokens))
-            return _xxh3(_pack_u64(parent) + pack(*tokens))
+    def hasher(parent: int | None, tokens: Sequence[int]) -> int:
+        if parent is None:
+            return _xxh3(pack(*tokens))
+        return _xxh3(pack_chained(parent, *tokens))
 
-        _HASHERS[block_size] = hasher
     return hasher
 
 
@@ -53,15 +63,22 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
 
 
 def extend_hashes(hashes: list[int], tokens: Sequence[int], upto: int, block_size: int) -> None:
-    """Append chained hashes to ``hashes`` until it covers ``upto`` full blocks of ``tokens``."""
+    """Append chained hashes to ``hashes`` until it covers ``upto`` full blocks of ``tokens``.
+
+    The hasher is inlined (no call per block): this runs for every block the fleet stores."""
     first = len(hashes)
     if first >= upto:
         return
-    hasher = make_hasher(block_size)
-    parent = hashes[-1] if first else None
+    pack, pack_chained = _packers(block_size)
     append = hashes.append
-    for k in range(first, upto):
-        parent = hasher(parent, tokens[k * block_size : (k + 1) * block_size])
+    if first:
+        parent = hashes[-1]
+    else:
+        parent = _xxh3(pack(*tokens[:block_size]))
+        append(parent)
+        first = 1
+    for a in range(first * block_size, upto * block_size, block_size):
+        parent = _xxh3(pack_chained(parent, *tokens[a : a + block_size]))
         append(parent)
 
 

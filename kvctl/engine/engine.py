@@ -30,7 +30,7 @@ from typing import Any
 
 from kvctl.events import BLOCK_REMOVED, BLOCK_STORED, Event
 
-from .cache import BlockPool, extend_hashes, make_hasher
+from .cache import BlockPool, extend_hashes
 
 DEFAULT_STEP_OVERHEAD_S = 0.008
 DEFAULT_TOKEN_COST_S = 25e-6
@@ -45,12 +45,13 @@ class Request:
         "tokens",
         "prompt_len",
         "output_len",
+        "last",
         "arrival",
         "hashes",
         "known",
         "computed",
         "n_held",
-        "n_unfilled",
+        "n_blocks",
         "counted",
         "hit_tokens",
         "session",
@@ -72,13 +73,14 @@ class Request:
         self.tokens = tokens
         self.prompt_len = prompt_len
         self.output_len = len(tokens) - prompt_len
+        self.last = len(tokens) - 1  # tokens computed when it finishes (the last needs no KV)
         self.arrival = arrival
         self.hashes: list[int] = hashes if hashes is not None else []
         """Chained hashes of the full blocks of ``tokens``, computed lazily (a valid prefix)."""
         self.known = prompt_len  # tokens known so far: prompt + outputs generated
         self.computed = 0  # tokens whose KV is in the cache
         self.n_held = 0  # cached blocks held (== hashes[:n_held])
-        self.n_unfilled = 0  # blocks held that are not full yet
+        self.n_blocks = 0  # blocks held: the n_held cached ones, then those not full yet
         self.counted = False  # prompt/hit tokens counted (first admission only)
         self.hit_tokens = 0
         self.session = session
@@ -115,7 +117,9 @@ class Worker:
         self.medium = medium
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
-        self._hasher = make_hasher(block_size)
+        self._queued_tokens = 0
+        """Tokens still to compute over running + waiting, kept up to date by every change of
+        a request's ``known``/``computed`` (the KV router asks for it per worker per arrival)."""
         # counters
         self.steps = 0
         self.prompt_tokens = 0
@@ -144,13 +148,12 @@ class Worker:
             self.rejected += 1
             return False
         self.waiting.append(req)
+        self._queued_tokens += req.known - req.computed
         return True
 
     def queued_tokens(self) -> int:
         """Tokens still to compute for the requests queued and running here."""
-        return sum(r.known - r.computed for r in self.running) + sum(
-            r.known - r.computed for r in self.waiting
-        )
+        return self._queued_tokens
 
     def cached_prefix_blocks(self, hashes: Sequence[int], limit: int | None = None) -> int:
         """Blocks of ``hashes`` (a chained prefix) cached here: what a KV-aware router sees."""
@@ -158,39 +161,58 @@ class Worker:
 
     # -- the scheduler step ----------------------------------------------------------------
     def step(self, now: float = 0.0) -> tuple[list[Event], float, list[Request]]:
-        """Run one scheduler step at time ``now``: (events, duration in s, finished requests)."""
+        """Run one scheduler step at time ``now``: (events, duration in s, finished requests).
+
+        Scheduling a request advances its ``computed``/``known`` at once; only requests with a
+        block that became full are visited again, to commit it, after every allocation of the
+        step (the order the pool sees: allocations and evictions, then commits, then
+        releases). A request scheduled here is never a preemption victim in the same step:
+        victims are taken from the tail of ``running``, past the request being scheduled."""
         pool = self.pool
         bs = self.block_size
         budget = self.max_num_batched_tokens
         removed: list[int] = []
-        sched: list[tuple[Request, int]] = []
+        filled: list[Request] = []  # scheduled requests with a block that became full, in order
+        finished: list[Request] = []
         running = self.running
         preempted = False
+        queued = self._queued_tokens
 
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            n = req.known - req.computed
+        # Iterating ``running`` while preemption pops its tail is safe: the iterator stops at
+        # the shortened end, and a request that preempts itself ends the loop.
+        for req in running:
+            if budget <= 0:
+                break
+            computed = req.computed
+            known = req.known
+            n = known - computed
             if n > budget:
                 n = budget
-            need = (req.computed + n + bs - 1) // bs - req.n_held - req.n_unfilled
-            if need > 0:
+            c = computed + n
+            if c > req.n_blocks * bs:  # its blocks cannot hold c tokens: allocate more
+                need = (c + bs - 1) // bs - req.n_blocks
                 while not pool.allocate(need, removed):
                     victim = running.pop()
-                    self._preempt(victim)
+                    queued += self._preempt(victim)
                     preempted = True
                     if victim is req:
                         break
                 else:
-                    req.n_unfilled += need
-                    sched.append((req, n))
-                    budget -= n
-                    i += 1
-                    continue
-                break
-            sched.append((req, n))
+                    req.n_blocks += need
+                    need = 0
+                if need:  # it preempted itself: no room for it this step
+                    break
+            req.computed = c
             budget -= n
-            i += 1
+            if c // bs > req.n_held:
+                filled.append(req)
+            if c == known:
+                req.known = c + 1
+                queued += 1 - n
+                if c == req.last:
+                    finished.append(req)
+            else:
+                queued -= n
 
         if not preempted:
             waiting = self.waiting
@@ -210,7 +232,7 @@ class Worker:
                 need = (computed + n + bs - 1) // bs - m
                 if need > pool.empty:
                     # hit blocks in the free list stop being evictable once referenced
-                    pinned = sum(1 for k in range(m) if refs[hashes[k]] == 0)
+                    pinned = list(map(refs.__getitem__, hashes[:m])).count(0)
                     if pool.empty + len(pool.free) - pinned < need:
                         break
                 waiting.popleft()
@@ -218,40 +240,41 @@ class Worker:
                     pool.touch(hashes[:m])
                 pool.allocate(need, removed)
                 req.n_held = m
-                req.n_unfilled = need
-                req.computed = computed
+                req.n_blocks = m + need
                 if not req.counted:
                     req.counted = True
                     req.hit_tokens = computed
                     self.prompt_tokens += req.prompt_len
                     self.hit_tokens += computed
                 running.append(req)
-                sched.append((req, n))
                 budget -= n
+                c = computed + n
+                queued -= c - req.computed
+                req.computed = c
+                if c // bs > m:
+                    filled.append(req)
+                if c == known:
+                    req.known = c + 1
+                    queued += 1
+                    if c == req.last:
+                        finished.append(req)
 
         events: list[Event] = []
         if removed:
             events.append({"type": BLOCK_REMOVED, "block_hashes": removed, "medium": self.medium})
             self.removed_blocks += len(removed)
             self.remove_events += 1
-        finished: list[Request] = []
-        for req, n in sched:
-            c = req.computed + n
-            req.computed = c
-            full = c // bs
-            if full > req.n_held:
-                self._commit(req, full, events)
-            if c == req.known:
-                req.known = c + 1
-                if c + 1 == len(req.tokens):
-                    finished.append(req)
+        for req in filled:
+            self._commit(req, req.computed // bs, events)
         if finished:
             for req in finished:
                 running.remove(req)
-                pool.release(req.hashes[: req.n_held], req.n_unfilled)
-                req.n_held = req.n_unfilled = 0
+                queued -= req.known - req.computed
+                pool.release(req.hashes[: req.n_held], req.n_blocks - req.n_held)
+                req.n_held = req.n_blocks = 0
                 req.finish_time = now
             self.finished += len(finished)
+        self._queued_tokens = queued
         tokens = self.max_num_batched_tokens - budget
         self.tokens_computed += tokens
         self.steps += 1
@@ -264,6 +287,15 @@ class Worker:
         if len(hashes) < full:
             extend_hashes(hashes, req.tokens, full, bs)
         refs = self.pool.refs
+        if full == first + 1:  # one block, as in every decode step: no run to track
+            h = hashes[first]
+            if h in refs:
+                self.pool.commit(h)
+            else:
+                refs[h] = 1
+                self._emit(req, first, full, events)
+            req.n_held = full
+            return
         start = -1
         for k in range(first, full):
             h = hashes[k]
@@ -278,7 +310,6 @@ class Worker:
                     start = -1
         if start >= 0:
             self._emit(req, start, full, events)
-        req.n_unfilled -= full - first
         req.n_held = full
 
     def _emit(self, req: Request, a: int, b: int, events: list[Event]) -> None:
@@ -299,12 +330,16 @@ class Worker:
         self.stored_blocks += b - a
         self.store_events += 1
 
-    def _preempt(self, req: Request) -> None:
-        self.pool.release(req.hashes[: req.n_held], req.n_unfilled)
-        req.n_held = req.n_unfilled = 0
+    def _preempt(self, req: Request) -> int:
+        """Send ``req`` back to the front of the queue; returns the tokens it has to compute
+        again (added to the queued tokens)."""
+        self.pool.release(req.hashes[: req.n_held], req.n_blocks - req.n_held)
+        req.n_held = req.n_blocks = 0
+        recompute = req.computed
         req.computed = 0
         self.waiting.appendleft(req)
         self.preemptions += 1
+        return recompute
 
     # -- reporting -------------------------------------------------------------------------
     @property

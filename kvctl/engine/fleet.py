@@ -125,11 +125,6 @@ class Fleet:
         heap: list[tuple[float, int]] = []  # (end time of the running step, worker)
         push, pop = heapq.heappush, heapq.heappop
 
-        def start(i: int, t: float) -> None:
-            events, dt, finished = workers[i].step(t)
-            pending[i] = (events, finished)
-            push(heap, (t + dt, i))
-
         while True:
             t_arr = workload.peek()
             if t_arr is not None and (not heap or t_arr <= heap[0][0]):
@@ -143,7 +138,9 @@ class Fleet:
                 if w.add(req):
                     self.routed[i] += 1
                     if not busy:
-                        start(i, t_arr)
+                        events, dt, finished = w.step(t_arr)
+                        pending[i] = (events, finished)
+                        push(heap, (t_arr + dt, i))
                 continue
             if not heap:
                 break
@@ -160,8 +157,11 @@ class Fleet:
                 workload.finished(req, t)
             if events:
                 yield t, i, events
-            if workers[i].has_work:
-                start(i, t)
+            w = workers[i]
+            if w.running or w.waiting:
+                events, dt, finished = w.step(t)
+                pending[i] = (events, finished)
+                push(heap, (t + dt, i))
 
     # -- reporting -------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
