@@ -11,6 +11,7 @@ from typing import IO, Any
 import msgspec
 
 from .events import CORE_EVENT_FIELDS, Batch, Event, present_hash
+from .pipeline import Gap, Item, Malformed, Narrowed, SequenceIrregularity
 from .redact import redact_url
 from .text import plural
 
@@ -91,14 +92,19 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
 
 
 class JsonLinesSink:
-    """One JSON object per event per line on stdout."""
+    """One JSON object per delivered event per line on stdout."""
 
     def __init__(self, stream: IO[bytes] | None = None, hash_style: str = "unsigned") -> None:
         self.stream = stream or sys.stdout.buffer
         self.hash_style = hash_style
 
-    def write(self, batch: Batch, events: list[Event]) -> None:
-        rows = event_rows(batch, events, self.hash_style)
+    def handle(self, item: Item) -> None:
+        if type(item) is Batch:
+            rows = event_rows(item, item.events, self.hash_style)
+        elif type(item) is Narrowed:
+            rows = event_rows(item.batch, item.events, self.hash_style)
+        else:
+            return
         try:
             self.stream.write(_encoder.encode_lines(rows))
         except (TypeError, OverflowError):
@@ -153,6 +159,12 @@ class PrettySink:
         self.console = console or _Console(highlight=False, soft_wrap=True, emoji=False)
         self.hash_style = hash_style
         self.max_hashes = max_hashes
+
+    def handle(self, item: Item) -> None:
+        if type(item) is Batch:
+            self.write(item, item.events)
+        elif isinstance(item, Narrowed):
+            self.write(item.batch, item.events)
 
     def write(self, batch: Batch, events: list[Event]) -> None:
         # Lines are built as rich Text, never as markup: a hex hash list "[d0326374b3…]" or a
@@ -231,7 +243,8 @@ def _brief(value: Any) -> str:
 
 
 class StderrDiagnostics:
-    """Gap, sequence and malformed-message lines for people, on stderr."""
+    """Gap, sequence and malformed-message lines for people, on stderr: a pipeline consumer
+    that shows the items a user must see, and the command's own lines (:meth:`say`)."""
 
     def __init__(self, console: Any = None, quiet: bool = False) -> None:
         from rich.console import Console
@@ -246,6 +259,16 @@ class StderrDiagnostics:
         if not self.quiet:  # sources may be URLs with a password: never shown
             self.console.print(Text(redact_url(text), style=style))
 
+    def handle(self, item: Item) -> None:
+        if type(item) is Batch or type(item) is Narrowed:  # the hot path: nothing to say
+            return
+        if isinstance(item, Malformed):
+            self.malformed(item.batch)
+        elif isinstance(item, Gap):
+            self.gap(item)
+        elif isinstance(item, SequenceIrregularity):
+            self.sequence(item)
+
     def malformed(self, batch: Batch) -> None:
         raw = b"|".join(batch.frames)
         preview = raw[:32].hex(" ") + (" …" if len(raw) > 32 else "")
@@ -256,18 +279,20 @@ class StderrDiagnostics:
             "red",
         )
 
-    def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None:
-        missing = got - expected
+    def gap(self, gap: Gap) -> None:
+        recovered = gap.recovered
         how = f"{len(recovered)} recovered from the replay socket" if recovered else "not recovered"
         self.say(
-            f"kvctl: gap from {_publisher(publisher)}: seq {expected}..{got - 1} missing "
-            f"({plural(missing, 'batch')}, {how})",
+            f"kvctl: gap from {_publisher(gap.publisher)}: seq {gap.first}..{gap.end - 1} "
+            f"missing ({plural(gap.end - gap.first, 'batch')}, {how})",
             "yellow",
         )
 
-    def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None:
+    def sequence(self, irregularity: SequenceIrregularity) -> None:
         self.say(
-            f"kvctl: {kind} from {_publisher(publisher)}: seq {got} after {expected - 1}", "yellow"
+            f"kvctl: {irregularity.kind} from {_publisher(irregularity.publisher)}: seq "
+            f"{irregularity.got} after {irregularity.expected - 1}",
+            "yellow",
         )  # kind: late arrival, duplicate or restart
 
 

@@ -138,12 +138,67 @@ class Summary:
         return text
 
 
-class Diagnostics(Protocol):
-    """Where the pipeline reports what a user must see (printed on stderr by the command)."""
+@dataclass(slots=True)
+class Narrowed:
+    """A delivered batch of which the filters or ``--count`` kept only ``events``. A batch
+    delivered whole is handed over as the :class:`Batch` itself (no object per batch on the
+    hot path); ``events is not batch.events`` here, which tells a sender that the recorded
+    bytes no longer match."""
 
-    def malformed(self, batch: Batch) -> None: ...
-    def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None: ...
-    def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None: ...
+    batch: Batch
+    events: list[Event]
+
+
+@dataclass(slots=True)
+class Emptied:
+    """A batch that reached the pipeline but has no event to deliver: the filters removed
+    them all, or it carried none. Its seq still counts (a recorder keeps it, a checker sees
+    it arrive)."""
+
+    batch: Batch
+
+
+@dataclass(slots=True)
+class Malformed:
+    """A message that could not be decoded (``batch.error`` says why; ``batch.frames`` holds
+    the bytes as received)."""
+
+    batch: Batch
+
+
+@dataclass(slots=True)
+class Gap:
+    """Seqs ``first..end-1`` of ``publisher`` were skipped; ``recovered`` lists those the
+    replay socket filled (delivered right after this item)."""
+
+    publisher: Any
+    first: int
+    end: int
+    recovered: list[int]
+
+
+@dataclass(slots=True)
+class SequenceIrregularity:
+    """A seq that is neither the next one nor a forward gap: ``kind`` is "late arrival",
+    "duplicate" or "restart"."""
+
+    kind: str
+    publisher: Any
+    expected: int
+    got: int
+
+
+Item = Batch | Narrowed | Emptied | Malformed | Gap | SequenceIrregularity
+"""What the pipeline hands its consumers, in stream order. A :class:`Batch` or a
+:class:`Narrowed` is a delivered batch; every batch received is exactly one of Batch,
+Narrowed, Emptied or Malformed."""
+
+
+class Consumer(Protocol):
+    """Everything downstream of the pipeline (sinks, checkers, stderr diagnostics): one
+    method, every item; a consumer ignores the kinds it has no use for."""
+
+    def handle(self, item: Item) -> None: ...
 
 
 class SeqTracker:
@@ -157,11 +212,11 @@ class SeqTracker:
 
     MAX_OPEN_GAPS = 64  # per publisher, to bound memory
 
-    def __init__(self, summary: Summary, diagnostics: Diagnostics | None) -> None:
+    def __init__(self, summary: Summary, irregular: Callable[[SequenceIrregularity], None]) -> None:
         self.next_seq: dict[Any, int] = {}
         self.open_gaps: dict[Any, list[list[int]]] = {}
         self.summary = summary
-        self.diagnostics = diagnostics
+        self.irregular = irregular
 
     def check(self, batch: Batch) -> tuple[int, int] | None:
         """Account for ``batch``; returns the missing range ``(first, end)`` on a forward gap."""
@@ -197,8 +252,7 @@ class SeqTracker:
         else:
             kind = "duplicate"
             summary.duplicates += 1
-        if self.diagnostics:
-            self.diagnostics.sequence(key, kind, expected, seq)
+        self.irregular(SequenceIrregularity(kind, key, expected, seq))
         return None
 
     def _malformed(self, key: Any, seq: int) -> None:
@@ -548,29 +602,20 @@ class LiveSource:
             self._say(f"kvctl: never connected to {', '.join(self.waiting.values())}", "yellow")
 
 
-class Sink(Protocol):
-    def write(self, batch: Batch, events: list[Event]) -> None: ...
-    def close(self) -> None: ...
-
-
 def run(
     source: Any,
-    sink: Sink,
+    consumers: list[Consumer],
     limits: Limits,
     filters: Filters | None = None,
-    diagnostics: Diagnostics | None = None,
     strict: bool = False,
     summary: Summary | None = None,
-    on_batch: Callable[[Batch], None] | None = None,
 ) -> Summary:
-    """Drive ``source`` into ``sink`` until input ends or a stop condition holds.
-
-    ``on_batch`` sees every batch (including malformed and filtered-out ones) before filtering:
-    recorders and checkers use it so that nothing is lost to a filter or a count.
-    """
+    """Drive ``source`` until input ends or a stop condition holds, handing every item to
+    every consumer in order (malformed and emptied batches included, so that recorders and
+    checkers lose nothing to a filter)."""
     summary = summary or Summary()
     try:
-        return _run(source, sink, limits, filters, diagnostics, strict, summary, on_batch)
+        return _run(source, consumers, limits, filters, strict, summary)
     except KeyboardInterrupt:
         unprocessed = getattr(source, "unprocessed", None)
         if unprocessed is not None:
@@ -584,17 +629,21 @@ def run(
 
 def _run(
     source: Any,
-    sink: Sink,
+    consumers: list[Consumer],
     limits: Limits,
     filters: Filters | None,
-    diagnostics: Diagnostics | None,
     strict: bool,
     summary: Summary,
-    on_batch: Callable[[Batch], None] | None,
 ) -> Summary:
     filter_events = filters.apply if filters and (filters.types or filters.workers) else None
     counts = summary.events
-    tracker = SeqTracker(summary, diagnostics)
+    handlers = [consumer.handle for consumer in consumers]
+
+    def hand_over(item: Item) -> None:
+        for handle in handlers:
+            handle(item)
+
+    tracker = SeqTracker(summary, hand_over)
     remaining = limits.count
     start = time.monotonic()
     deadline = start + limits.duration if limits.duration is not None else None
@@ -620,24 +669,21 @@ def _run(
                 tracker.fill(batch.publisher, item.seq)
             summary.recovered += len(recovered)
             summary.missing -= len(recovered)
-            if diagnostics:
-                diagnostics.gap(batch.publisher, gap[0], gap[1], [b.seq for b in recovered])
+            hand_over(Gap(batch.publisher, gap[0], gap[1], [b.seq for b in recovered]))
             pending = [*recovered, batch]
         for item in pending:
             summary.batches += 1
             summary.publishers.add(item.publisher)
-            if on_batch is not None:
-                on_batch(item)
             if item.error is not None:
                 summary.malformed += 1
-                if diagnostics:
-                    diagnostics.malformed(item)
+                hand_over(Malformed(item))
                 if strict:
                     summary.stopped_by = "--strict"
                     raise StrictModeError(f"malformed message from {item.source}: {item.error}")
                 continue
             events = filter_events(item) if filter_events else item.events
             if not events:
+                hand_over(Emptied(item))
                 continue
             if remaining is not None:
                 if len(events) > remaining:
@@ -645,7 +691,9 @@ def _run(
                 remaining -= len(events)
             for event in events:
                 counts[event["type"]] += 1
-            sink.write(item, events)
+            delivered = item if events is item.events else Narrowed(item, events)
+            for handle in handlers:
+                handle(delivered)
             if remaining == 0:
                 summary.stopped_by = "--count"
                 return summary

@@ -10,7 +10,9 @@ from typing import Any
 
 import click
 
+from .events import Batch
 from .options import nats_options
+from .pipeline import Item, Malformed, Narrowed
 from .targets import NATS_FORMATS, ZMQ_FORMATS
 from .text import plural
 
@@ -141,6 +143,22 @@ def stall_warning(diagnostics: Any) -> Callable[[float], None]:
         )
 
     return say
+
+
+class Sending:
+    """The pipeline consumer of replay and bridge: delivered batches go to the sender, and a
+    malformed message is forwarded byte for byte when the target takes raw bytes."""
+
+    def __init__(self, sender: Any) -> None:
+        self.sender = sender
+
+    def handle(self, item: Item) -> None:
+        if type(item) is Batch:
+            self.sender.write(item, item.events)
+        elif isinstance(item, Narrowed):
+            self.sender.write(item.batch, item.events)
+        elif isinstance(item, Malformed):
+            self.sender.write_raw(item.batch)
 
 
 def linger(target: Any, seconds: float) -> None:

@@ -9,10 +9,22 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import ExitCode, KvctlError, UsageError
-from .events import Batch, Event
+from .events import Batch
 from .options import connection_kwargs
 from .output import JsonLinesSink, PrettySink, StderrDiagnostics
-from .pipeline import Filters, Limits, LiveSource, RecordingSource, SourceSpec, Summary, run
+from .pipeline import (
+    Emptied,
+    Filters,
+    Item,
+    Limits,
+    LiveSource,
+    Malformed,
+    Narrowed,
+    RecordingSource,
+    SourceSpec,
+    Summary,
+    run,
+)
 from .redact import shown_sources
 
 
@@ -60,9 +72,7 @@ def make_limits(params: dict[str, Any]) -> Limits:
     )
 
 
-def stream(
-    params: dict[str, Any], connection: dict[str, Any] | None = None, on_batch: Any = None
-) -> Summary:
+def stream(params: dict[str, Any], connection: dict[str, Any] | None = None) -> Summary:
     """tap/cat: print events from SOURCEs until a stop condition, then the summary."""
     diagnostics = StderrDiagnostics(quiet=params.get("quiet", False))
     hash_style = params.get("hash_format", "unsigned")
@@ -77,13 +87,11 @@ def stream(
         diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
         run(
             source,
-            sink,
+            [sink, diagnostics],
             make_limits(params),
             make_filters(params),
-            diagnostics,
             strict=params.get("strict", False),
             summary=summary,
-            on_batch=on_batch,
         )
     except KeyboardInterrupt:
         summary.stopped_by = "interrupt"
@@ -95,41 +103,24 @@ def stream(
     return summary
 
 
-class Feed:
-    """A pipeline sink (plus ``on_batch`` hook) that hands a consumer every batch exactly once,
-    carrying exactly the events tap would print.
-
-    ``on_batch`` sees every batch before filters and ``--count``; ``write`` sees the filtered,
-    count-trimmed events of the batches that kept some. A consumer needs both: every batch for
-    sequence accounting and malformed input, but only the selected events, or ``--type``
-    filters would turn into false "removal of an unknown block" findings.
-    """
+class EveryBatch:
+    """Hands a pure model (checker, statistics, top's table) every batch exactly once,
+    carrying exactly the events tap would print: a batch the filters emptied comes without
+    events (its seq still counts), a malformed one as received. Only the selected events, or
+    ``--type`` filters would turn into false "removal of an unknown block" findings."""
 
     def __init__(self, consume: Callable[[Batch], Any]) -> None:
         self.consume = consume
-        self.pending: Batch | None = None
 
-    def on_batch(self, batch: Batch) -> None:
-        self.flush()
-        if batch.error is not None:
-            self.consume(batch)  # the pipeline never writes a malformed batch
-        else:
-            self.pending = batch
-
-    def write(self, batch: Batch, events: list[Event]) -> None:
-        self.pending = None
-        if events is not batch.events:
-            batch = dataclasses.replace(batch, events=events)
-        self.consume(batch)
-
-    def flush(self) -> None:
-        """Hand over a batch whose events were all filtered out (its seq still counts)."""
-        if self.pending is not None:
-            batch, self.pending = self.pending, None
-            self.consume(dataclasses.replace(batch, events=[]))
-
-    def close(self) -> None:
-        self.flush()
+    def handle(self, item: Item) -> None:
+        if type(item) is Batch:
+            self.consume(item)
+        elif isinstance(item, Narrowed):
+            self.consume(dataclasses.replace(item.batch, events=item.events))
+        elif isinstance(item, Emptied):
+            self.consume(dataclasses.replace(item.batch, events=[]))
+        elif isinstance(item, Malformed):
+            self.consume(item.batch)
 
 
 class Ticking:
@@ -169,33 +160,22 @@ def read(
     "interrupt"``) as its ``summary`` attribute, so each command decides what Ctrl-C prints.
     """
     source = open_source(params["sources"], **connection_kwargs(params))
-    feed = Feed(consume)
     summary = Summary()
-
-    def between_batches() -> bool:
-        # The pipeline has finished with the previous batch: one it did not write was
-        # filtered out entirely; hand it over now, not when the next batch happens to come.
-        feed.flush()
-        return tick() if tick is not None else True
-
     try:
         if on_open is not None:
             on_open(source)
         run(
-            Ticking(source, between_batches),
-            feed,
+            source if tick is None else Ticking(source, tick),
+            [EveryBatch(consume)],
             make_limits(params),
             make_filters(params),
-            None,
             summary=summary,
-            on_batch=feed.on_batch,
         )
     except KeyboardInterrupt as exc:
         summary.stopped_by = "interrupt"
         exc.summary = summary  # type: ignore[attr-defined]
         raise
     finally:
-        feed.close()
         source.close()
     return summary
 

@@ -75,7 +75,7 @@ def assert_consumable(batch, data: bytes) -> None:
     hash(batch.publisher)  # sequence tracking keys on it
     Counter(ev["type"] for ev in batch.events)  # the summary counts events by type
     assert all(type(ev["type"]) is str for ev in batch.events)
-    tracker = SeqTracker(Summary(), None)
+    tracker = SeqTracker(Summary(), lambda irregularity: None)
     tracker.check(batch)
     tracker.check(batch)  # a second time: the duplicate path
     StateSeqTracker().observe(batch)
@@ -248,7 +248,7 @@ def test_any_envelope_on_the_zmq_event_plane(envelope, publisher_id, sequence):
     assert batch.frames == frames
     assert (batch.error is None) != (batch.error is not None and batch.events == [])
     hash(batch.publisher)
-    SeqTracker(Summary(), None).check(batch)
+    SeqTracker(Summary(), lambda irregularity: None).check(batch)
     StateSeqTracker().observe(batch)
     assert_printable_and_recordable(batch)
 

@@ -15,7 +15,14 @@ from ..options import (
     report_options,
     source_arguments,
 )
-from ..publishing import linger, make_report, open_target, print_report, with_target_options
+from ..publishing import (
+    Sending,
+    linger,
+    make_report,
+    open_target,
+    print_report,
+    with_target_options,
+)
 from ..redact import redact_url, shown_sources
 from ..text import plural
 
@@ -61,10 +68,9 @@ def command(**params: Any) -> None:
         )
         run(
             source,
-            sender,
+            [diagnostics, Sending(sender)],
             make_limits(params),
             make_filters(params),
-            _Forwarding(diagnostics, sender),
             summary=summary,
         )
         linger(target, params["linger"])
@@ -83,20 +89,3 @@ def command(**params: Any) -> None:
     diagnostics.say("kvctl: received " + summary.line(), "dim")
     if interrupted:
         raise Interrupted("interrupted", params["quiet"])
-
-
-class _Forwarding:
-    """Diagnostics that also forward malformed messages byte for byte when the target is raw."""
-
-    def __init__(self, shown: Any, sender: Any) -> None:
-        self.shown, self.sender = shown, sender
-
-    def malformed(self, batch: Any) -> None:
-        self.shown.malformed(batch)
-        self.sender.write_raw(batch)
-
-    def gap(self, *args: Any) -> None:
-        self.shown.gap(*args)
-
-    def sequence(self, *args: Any) -> None:
-        self.shown.sequence(*args)

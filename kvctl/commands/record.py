@@ -7,12 +7,15 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
 
+from ..events import Batch, Event
 from ..help import KvctlCommand
 from ..options import connection_kwargs, filter_options, limit_options, source_arguments
+from ..pipeline import Emptied, Gap, Item, Malformed, Narrowed
 from ..text import plural
 
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -148,20 +151,11 @@ def command(**params: Any) -> None:
         )
         # Live batches are journalled raw (frames + labels) and decoded again by the
         # converter; batches read back from recordings are journalled exactly.
-        sink = RecordingSink(writer, diagnostics, raw=isinstance(source, LiveSource))
+        sink = RecordingSink(writer, raw=isinstance(source, LiveSource))
         progress = None if params["quiet"] else _progress(writer, summary)
-        if filters.types or filters.workers:
-            sink.filtering()
-        run(
-            source,
-            sink,
-            make_limits(params),
-            filters,
-            sink,
-            summary=summary,
-            on_batch=sink.on_batch if filters.types or filters.workers else sink.on_empty,
-        )
-        sink.close()
+        # the diagnostics after the sink: a malformed message is in the journal before its
+        # line is shown (a line that is redacted: no password is echoed)
+        run(source, [sink, diagnostics], make_limits(params), filters, summary=summary)
     except KeyboardInterrupt:
         summary.stopped_by = "interrupt"
         interrupted = True
@@ -230,52 +224,39 @@ def _labels(sources: Any) -> dict[str, tuple[Any, Any]] | None:
 
 
 class RecordingSink:
-    """Writes what passes the filters, and — as the pipeline's diagnostics — also keeps every
-    malformed message and every sequence gap, while still showing them on stderr.
+    """Records what passes the filters, and also every batch they emptied (without events,
+    so that its seq stays in the recording: readers would otherwise see a gap where there was
+    none), every malformed message and every sequence gap.
 
     ``raw=True`` (batches straight from the decoders, i.e. a live source): the writer
     journals the message (frames, labels, how many events the filters/limits kept) and the
-    conversion decodes it again; ``write`` is then the writer's own hot-path method."""
+    conversion decodes it again; otherwise batches are journalled exactly."""
 
-    def __init__(self, writer: Any, shown: Any, raw: bool = True) -> None:
+    def __init__(self, writer: Any, raw: bool = True) -> None:
         self.writer = writer
-        self.shown = shown
         self.raw = raw
-        self.pending: Any = None
         self.malformed_seqs: dict[Any, set[int]] = {}  # since the publisher's last gap
-        self._record = writer.write_message if raw else self._record_exact
-        if raw:
-            self.write = writer.write_message  # type: ignore[method-assign]
+        self._record: Callable[[Batch], None] = writer.write_message if raw else writer.write
 
-    def _record_exact(self, batch: Any, events: list) -> None:
-        if events is not batch.events:
-            batch = dataclasses.replace(batch, events=events)
-        self.writer.write(batch)
+    def handle(self, item: Item) -> None:
+        if type(item) is Batch:  # the hot path
+            self._record(item)
+        elif isinstance(item, Narrowed):
+            self._record_some(item.batch, item.events)
+        elif isinstance(item, Emptied):
+            self._record_some(item.batch, [])
+        elif isinstance(item, Malformed):
+            self.malformed(item.batch)
+        elif isinstance(item, Gap):
+            self.gap(item)
 
-    def write(self, batch: Any, events: list) -> None:
-        self.pending = None
-        self._record(batch, events)
+    def _record_some(self, batch: Batch, events: list[Event]) -> None:
+        if self.raw:
+            self.writer.write_message(batch, events)
+        else:
+            self.writer.write(dataclasses.replace(batch, events=events))
 
-    def on_batch(self, batch: Any) -> None:
-        """With filters: a batch they emptied is recorded without events, so that its seq
-        stays in the recording (readers would otherwise see a gap where there was none)."""
-        if self.pending is not None:
-            self._record(self.pending, [])
-        self.pending = batch if batch.error is None else None
-
-    def on_empty(self, batch: Any) -> None:
-        """Without filters: a batch without events (``[ts, [], 0]``, an empty Dynamo
-        envelope) is never written by the pipeline, yet it was received and its seq counted:
-        record it, so that reading back shows no gap where there was none."""
-        if not batch.events and batch.error is None:
-            self._record(batch, [])
-
-    def filtering(self) -> RecordingSink:
-        """Route writes through :meth:`write` so that :meth:`on_batch` sees them."""
-        self.__dict__.pop("write", None)
-        return self
-
-    def malformed(self, batch: Any) -> None:
+    def malformed(self, batch: Batch) -> None:
         if type(batch.seq) is int:
             seqs = self.malformed_seqs.setdefault(batch.publisher, set())
             seqs.add(batch.seq)
@@ -283,33 +264,21 @@ class RecordingSink:
                 keep = sorted(seqs)[-2048:]
                 seqs.clear()
                 seqs.update(keep)
-        if self.raw:
-            self.writer.write_message(batch)
-        else:
-            self.writer.write(batch)
-        self.shown.malformed(batch)  # its lines are redacted: no password is echoed
+        self._record(batch)
 
-    def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None:
+    def gap(self, gap: Gap) -> None:
         """One Gap row per run of seqs the replay socket could not fill. A batch that arrives
         later still is recorded too (the reader then sees it as a late arrival)."""
-        arrived = {s for s in recovered if expected <= s < got}
-        malformed = self.malformed_seqs.pop(publisher, set())
+        expected, got = gap.first, gap.end
+        arrived = {s for s in gap.recovered if expected <= s < got}
+        malformed = self.malformed_seqs.pop(gap.publisher, set())
         # A malformed message's seq arrived (its row is Malformed): not also a Gap row.
         arrived.update(s for s in malformed if expected <= s < got)
         start = expected
         for seq in [*sorted(arrived), got]:
             if seq > start:
-                self.writer.write_gap(publisher, start, seq - 1, source=str(publisher))
+                self.writer.write_gap(gap.publisher, start, seq - 1, source=str(gap.publisher))
             start = seq + 1
-        self.shown.gap(publisher, expected, got, recovered)
-
-    def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None:
-        self.shown.sequence(publisher, kind, expected, got)
-
-    def close(self) -> None:
-        if self.pending is not None:
-            self._record(self.pending, [])
-            self.pending = None
 
 
 class _Status:
