@@ -44,13 +44,13 @@ from .events import (
     Batch,
     present_hash,
 )
+from .sequence import DUPLICATE, GAP, RECOVERED, REORDER, RESTART, SequenceTracker
 from .state import (
     DUPLICATE_STORE,
     INVALID_EVENT,
     PARENT_UNKNOWN,
     REMOVE_UNKNOWN,
     UNKNOWN_TYPE,
-    SeqTracker,
     StreamState,
     WorkerKey,
     batch_time,
@@ -328,7 +328,7 @@ class Checker:
         self.orphan_min = orphan_min
         self.orphan_ratio = orphan_ratio
         self.state = StreamState()
-        self.seq = SeqTracker()
+        self.seq = SequenceTracker()
         self.results: dict[str, RuleResult] = {}
         self.batches = 0
         self.events = 0
@@ -383,7 +383,7 @@ class Checker:
             self.last_seen_ns.setdefault(batch.source, 0)
         if batch.error is not None:
             self._emit("KV001", batch, f"malformed batch: {batch.error}")
-        self._check_seq(batch)  # a malformed seq counts as the pipeline's (see SeqTracker)
+        self._check_seq(batch)  # a malformed seq counts as everywhere (see kvctl.sequence)
         state = self.state
         bkey = state.batch_key(batch)
         t = batch_time(batch)
@@ -569,27 +569,28 @@ class Checker:
             wc.over = False
 
     def _check_seq(self, batch: Batch) -> None:
-        for ev in self.seq.observe(batch):
-            kind = ev.kind
-            if kind == "gap":
+        tracker = self.seq
+        irregularity = tracker.observe(batch)
+        if irregularity is not None:
+            kind, expected, got = irregularity.kind, irregularity.expected, irregularity.got
+            if kind == GAP:
+                missing = irregularity.missing
                 res = self._emit(
-                    "KV301",
-                    batch,
-                    f"seq {ev.got}, expected {ev.expected}: {ev.missing} batch(es) missing",
+                    "KV301", batch, f"seq {got}, expected {expected}: {missing} batch(es) missing"
                 )
-                res.details["missing_batches"] = res.details.get("missing_batches", 0) + ev.missing
-            elif kind == "duplicate":
-                self._emit("KV302", batch, f"seq {ev.got} repeated (expected {ev.expected})")
-            elif kind == "reorder":
-                self._emit("KV303", batch, f"seq {ev.got} arrived late (after {ev.expected - 1})")
-            elif kind == "reset":
-                self._emit("KV304", batch, f"seq restarted at 0 after {ev.expected - 1}")
-            elif kind == "ts-backwards":
-                self._emit("KV305", batch, "batch timestamp earlier than the previous one")
-            elif kind == "recovered":
-                res = self.results.get("KV301")
-                if res is not None:
-                    res.details["recovered_batches"] = res.details.get("recovered_batches", 0) + 1
+                res.details["missing_batches"] = res.details.get("missing_batches", 0) + missing
+            elif kind == DUPLICATE:
+                self._emit("KV302", batch, f"seq {got} repeated (expected {expected})")
+            elif kind == REORDER:
+                self._emit("KV303", batch, f"seq {got} arrived late (after {expected - 1})")
+            elif kind == RESTART:
+                self._emit("KV304", batch, f"seq restarted at 0 after {expected - 1}")
+            elif kind == RECOVERED:
+                gaps = self.results.get("KV301")
+                if gaps is not None:
+                    gaps.details["recovered_batches"] = gaps.details.get("recovered_batches", 0) + 1
+        if tracker.time_went_backwards(batch, irregularity):
+            self._emit("KV305", batch, "batch timestamp earlier than the previous one")
 
     # --- silence ---------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ from array import array
 from typing import Any
 
 from .events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, Batch
-from .state import SeqTracker, StreamState, WorkerKey, batch_time, recv_time, worker_label
+from .sequence import SequenceTracker
+from .state import StreamState, WorkerKey, batch_time, recv_time, worker_label
 
 _TYPES = (BLOCK_STORED, BLOCK_REMOVED, ALL_BLOCKS_CLEARED)
 PERCENTILES = (50, 90, 99)
@@ -99,13 +100,12 @@ class StatsCollector:
         self.max_buckets = max_buckets
         self.max_lifetimes = max_lifetimes
         self.state = StreamState(track_lifetimes=True, track_sharing=True)
-        self.seq = SeqTracker()
+        self.seq = SequenceTracker()
         self.total = _Counts()
         self.per_worker: dict[WorkerKey, _Counts] = {}
         self.lora: dict[str, int] = {}
         self.medium_stored: dict[str, int] = {}
         self.medium_removed: dict[str, int] = {}
-        self.seq_irregular = {"ts-backwards": 0}
         self.t0: float | None = None
         # bucket index -> [batches, events, stored blocks, removed blocks]
         self.rates: list[list[int]] = []
@@ -118,10 +118,9 @@ class StatsCollector:
     # --- feeding ---------------------------------------------------------------------------
 
     def feed(self, batch: Batch) -> None:
-        # A malformed message's seq counts as in the pipeline (see state.SeqTracker).
-        for ev in self.seq.observe(batch):
-            if ev.kind == "ts-backwards":
-                self.seq_irregular["ts-backwards"] += 1
+        # A malformed message's seq counts as everywhere (see kvctl.sequence).
+        tracker = self.seq
+        tracker.time_went_backwards(batch, tracker.observe(batch))
         total = self.total
         total.batches += 1
         if batch.error is not None:
@@ -301,6 +300,6 @@ class StatsCollector:
             },
             "gaps": {
                 "publishers": self.seq.summary(),
-                "ts_backwards": self.seq_irregular["ts-backwards"],
+                "ts_backwards": self.seq.ts_backwards,
             },
         }

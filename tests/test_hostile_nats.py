@@ -26,7 +26,7 @@ from kvctl.formats import decode_nats, decode_zmq
 from kvctl.formats.dynamo import encode_envelope, encode_event_plane, encode_json, router_event
 from kvctl.formats.parquet import batches_to_record_batch, record_batch_to_batches
 from kvctl.pipeline import SeqTracker, Summary
-from kvctl.state import SeqTracker as StateSeqTracker
+from kvctl.sequence import SequenceTracker as StateSeqTracker
 from kvctl.stats import StatsCollector
 
 SUBJECTS = [

@@ -12,7 +12,6 @@ from kvctl.state import (
     PARENT_UNKNOWN,
     REMOVE_UNKNOWN,
     UNKNOWN_TYPE,
-    SeqTracker,
     StreamState,
     norm_hash,
     worker_label,
@@ -192,47 +191,6 @@ def test_lifetimes_and_sharing():
     st.apply(batch([{"type": "AllBlocksCleared"}], ts=13.0, source="b"))
     assert st.holders == {2: 1}
     assert sorted(st.workers_holding(2)) == [("c", 0)]
-
-
-def test_seq_tracker():
-    tr = SeqTracker()
-
-    def obs(seq, ts=None, recovered=False, pub="p"):
-        b = Batch(
-            source="s", events=[], format="x", seq=seq, ts=ts, publisher=pub, recovered=recovered
-        )
-        return [(e.kind, e.missing) for e in tr.observe(b)]
-
-    assert obs(0, 1.0) == []
-    assert obs(1, 2.0) == []
-    assert obs(5, 3.0) == [("gap", 3)]
-    assert obs(2, recovered=True) == [("recovered", 0)]
-    assert obs(3, 2.5) == [("reorder", 0)]  # a late batch may carry an older ts
-    assert obs(6, 3.5) == []
-    assert obs(7, 3.2) == [("ts-backwards", 0)]
-    assert obs(5) == [("duplicate", 0)]
-    assert obs(8, 4.0) == []
-    assert obs(0, 0.5) == [("reset", 0)]  # restart: clock history forgotten too
-    assert obs(None) == []
-    assert obs(0, pub="other") == []
-    s = tr.summary()["p"]
-    assert (
-        s["gaps"],
-        s["missing"],
-        s["recovered"],
-        s["reorders"],
-        s["duplicates"],
-        s["resets"],
-        s["last_seq"],
-    ) == (1, 1, 1, 1, 1, 1, 0)  # seq 4 never came
-
-
-def test_seq_tracker_bounds_outstanding_gaps():
-    tr = SeqTracker()
-    for i in range(0, 1000, 2):
-        tr.observe(Batch(source="s", events=[], format="x", seq=i, publisher="p"))
-    assert len(tr.publishers["p"].missing) == SeqTracker._MAX_RANGES
-    assert tr.publishers["p"].gaps == 499
 
 
 def test_raw_array_events_survive():

@@ -14,8 +14,9 @@ from ..help import KvctlCommand
 from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..redact import shown_sources
+from ..sequence import GAP, SequenceTracker
 from ..session import Interrupted, read
-from ..state import SeqTracker, StreamState, WorkerKey, recv_time, worker_label
+from ..state import StreamState, WorkerKey, recv_time, worker_label
 from ..text import plural
 
 # Sort keys -> row field; every numeric column sorts largest first (what `top` users expect).
@@ -79,7 +80,7 @@ class TopModel:
 
     def __init__(self, started: float) -> None:
         self.state = StreamState()
-        self.seq = SeqTracker()
+        self.seq = SequenceTracker()
         self.rows: dict[WorkerKey, _Row] = {}
         self.last_tick = started
         self.batches = 0
@@ -103,14 +104,14 @@ class TopModel:
         row.last_seen = recv_time(batch)
         if batch.error is not None:
             row.malformed += 1
-            self.seq.observe(batch)  # its seq arrived: not a gap (see state.SeqTracker)
+            self.seq.observe(batch)  # its seq arrived: not a gap (see kvctl.sequence)
             return
         if batch.seq is not None:
             row.last_seq = batch.seq
-            for ev in self.seq.observe(batch):
-                if ev.kind == "gap":
-                    row.gaps += 1
-                    row.missing += ev.missing
+            irregularity = self.seq.observe(batch)
+            if irregularity is not None and irregularity.kind == GAP:
+                row.gaps += 1
+                row.missing += irregularity.missing
         t = batch.ts
         for ev in batch.events:
             if type(ev) is not dict:
