@@ -13,6 +13,7 @@ import msgspec
 from .events import CORE_EVENT_FIELDS, Batch, Event, present_hash
 from .pipeline import Gap, Item, Malformed, Narrowed, SequenceIrregularity
 from .redact import redact_url
+from .sequence import REORDER
 from .text import plural
 
 _encoder = msgspec.json.Encoder()  # several times faster than json/orjson on these rows
@@ -289,11 +290,17 @@ class StderrDiagnostics:
         )
 
     def sequence(self, irregularity: SequenceIrregularity) -> None:
+        kind = _SEQUENCE_WORDS.get(irregularity.kind, irregularity.kind)
         self.say(
-            f"kvctl: {irregularity.kind} from {_publisher(irregularity.publisher)}: seq "
+            f"kvctl: {kind} from {_publisher(irregularity.publisher)}: seq "
             f"{irregularity.got} after {irregularity.expected - 1}",
             "yellow",
-        )  # kind: late arrival, duplicate or restart
+        )
+
+
+_SEQUENCE_WORDS = {REORDER: "late arrival"}
+"""How a verdict of :mod:`kvctl.sequence` reads on stderr (others read as their name:
+duplicate, restart, recovered)."""
 
 
 def _publisher(publisher: Any) -> str:

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from .errors import StrictModeError, TransportError, UsageError
 from .events import Batch, Event
 from .formats import decode_nats, decode_zmq
+from .sequence import GAP, SequenceTracker
 from .text import plural
 
 DRAIN_LIMIT = 512  # messages taken from one socket before the others get their turn
@@ -179,8 +180,9 @@ class Gap:
 
 @dataclass(slots=True)
 class SequenceIrregularity:
-    """A seq that is neither the next one nor a forward gap: ``kind`` is "late arrival",
-    "duplicate" or "restart"."""
+    """A seq that is neither the next one nor a forward gap: ``kind`` is one of
+    :mod:`kvctl.sequence`'s verdicts other than a gap (reorder, recovered, duplicate,
+    restart)."""
 
     kind: str
     publisher: Any
@@ -199,77 +201,6 @@ class Consumer(Protocol):
     method, every item; a consumer ignores the kinds it has no use for."""
 
     def handle(self, item: Item) -> None: ...
-
-
-class SeqTracker:
-    """Per-publisher sequence accounting: gaps, late arrivals, duplicates, restarts.
-
-    A seq beyond the next expected one opens a gap; a seq inside an open gap arrives late (a
-    reorder: the gap shrinks); any other old seq is a duplicate, except 0, a publisher
-    restart. A malformed message whose seq frame parsed counts only where its seq is the one
-    expected or fills a gap (so it is not also a gap); a seq frame of a message that is
-    otherwise garbage never opens a gap or a restart."""
-
-    MAX_OPEN_GAPS = 64  # per publisher, to bound memory
-
-    def __init__(self, summary: Summary, irregular: Callable[[SequenceIrregularity], None]) -> None:
-        self.next_seq: dict[Any, int] = {}
-        self.open_gaps: dict[Any, list[list[int]]] = {}
-        self.summary = summary
-        self.irregular = irregular
-
-    def check(self, batch: Batch) -> tuple[int, int] | None:
-        """Account for ``batch``; returns the missing range ``(first, end)`` on a forward gap."""
-        seq = batch.seq
-        if type(seq) is not int:
-            return None
-        key = batch.publisher
-        if batch.error is not None:
-            self._malformed(key, seq)
-            return None
-        expected = self.next_seq.get(key)
-        if expected is None or seq == expected:
-            self.next_seq[key] = seq + 1
-            return None
-        summary = self.summary
-        if seq > expected:
-            self.next_seq[key] = seq + 1
-            summary.gaps += 1
-            summary.missing += seq - expected
-            gaps = self.open_gaps.setdefault(key, [])
-            gaps.append([expected, seq])
-            del gaps[: -self.MAX_OPEN_GAPS]
-            return expected, seq
-        if self.fill(key, seq):
-            kind = "late arrival"
-            summary.reorders += 1
-            summary.missing -= 1
-        elif seq == 0 and expected > 1:
-            kind = "restart"
-            summary.restarts += 1
-            self.next_seq[key] = 1
-            self.open_gaps.pop(key, None)
-        else:
-            kind = "duplicate"
-            summary.duplicates += 1
-        self.irregular(SequenceIrregularity(kind, key, expected, seq))
-        return None
-
-    def _malformed(self, key: Any, seq: int) -> None:
-        expected = self.next_seq.get(key)
-        if expected is not None and seq == expected:
-            self.next_seq[key] = seq + 1
-        elif expected is not None and seq < expected and self.fill(key, seq):
-            self.summary.missing -= 1  # arrived, if unreadable: counted as malformed
-
-    def fill(self, key: Any, seq: int) -> bool:
-        """Take ``seq`` out of the open gaps of ``key``; False if it was not missing."""
-        for i, (first, end) in enumerate(self.open_gaps.get(key, ())):
-            if first <= seq < end:
-                gaps = self.open_gaps[key]
-                gaps[i : i + 1] = [r for r in ([first, seq], [seq + 1, end]) if r[0] < r[1]]
-                return True
-        return False
 
 
 class Source(Protocol):
@@ -643,7 +574,7 @@ def _run(
         for handle in handlers:
             handle(item)
 
-    tracker = SeqTracker(summary, hand_over)
+    tracker = SequenceTracker()
     remaining = limits.count
     start = time.monotonic()
     deadline = start + limits.duration if limits.duration is not None else None
@@ -661,16 +592,29 @@ def _run(
                 break
             continue
         last_activity = now
-        gap = tracker.check(batch)
         pending: tuple | list = (batch,)
-        if gap is not None:
-            recovered = recover(batch, *gap) if recover else []
-            for item in recovered:
-                tracker.fill(batch.publisher, item.seq)
-            summary.recovered += len(recovered)
-            summary.missing -= len(recovered)
-            hand_over(Gap(batch.publisher, gap[0], gap[1], [b.seq for b in recovered]))
-            pending = [*recovered, batch]
+        irregularity = tracker.observe(batch)
+        if irregularity is not None:
+            if irregularity.kind == GAP:
+                first, end = irregularity.expected, irregularity.got
+                recovered = recover(batch, first, end) if recover else []
+                for item in recovered:
+                    tracker.fill(irregularity.publisher, item.seq)
+                _count_sequence(summary, tracker)
+                hand_over(Gap(irregularity.publisher, first, end, [b.seq for b in recovered]))
+                pending = [*recovered, batch]
+            else:
+                _count_sequence(summary, tracker)
+                hand_over(
+                    SequenceIrregularity(
+                        irregularity.kind,
+                        irregularity.publisher,
+                        irregularity.expected,
+                        irregularity.got,
+                    )
+                )
+        elif batch.error is not None:
+            _count_sequence(summary, tracker)  # its seq may have filled a gap
         for item in pending:
             summary.batches += 1
             summary.publishers.add(item.publisher)
@@ -701,6 +645,17 @@ def _run(
             summary.stopped_by = "--duration"
             break
     return summary
+
+
+def _count_sequence(summary: Summary, tracker: SequenceTracker) -> None:
+    """The summary's sequence counts are the tracker's (updated off the hot path only: a
+    batch in order changes none of them)."""
+    summary.gaps = tracker.gaps
+    summary.missing = tracker.missing
+    summary.recovered = tracker.recovered
+    summary.reorders = tracker.reorders
+    summary.duplicates = tracker.duplicates
+    summary.restarts = tracker.restarts
 
 
 class Schedule:

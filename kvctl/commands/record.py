@@ -18,8 +18,8 @@ from ..options import connection_kwargs, filter_options, limit_options, source_a
 from ..pipeline import Emptied, Gap, Item, Malformed, Narrowed
 from ..text import plural
 
-_SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_TIME_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_SIZE_UNITS: dict[str, float] = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_TIME_UNITS: dict[str, float] = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def _parse(value: str | None, units: dict[str, float], what: str) -> float | None:
