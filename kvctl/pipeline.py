@@ -658,50 +658,6 @@ def _count_sequence(summary: Summary, tracker: SequenceTracker) -> None:
     summary.restarts = tracker.restarts
 
 
-class Schedule:
-    """An absolute send schedule: item k is due at ``start + offset_k / speed``.
-
-    Every wait is computed from the start, never from the previous send, so errors do not
-    accumulate; it sleeps until shortly before the due time and spins the rest, because
-    ``time.sleep`` overshoots by up to a scheduler tick (``spin_s=0`` trades that precision for
-    idle CPU, as the simulator does). ``speed=None`` sends at top speed.
-    """
-
-    def __init__(self, speed: float | None = 1.0, spin_s: float = 0.0005) -> None:
-        self.speed = speed
-        self.spin_s = spin_s
-        self.start = time.perf_counter()
-        self.lateness: list[float] = []
-
-    def wait(self, offset_s: float) -> float:
-        """Block until ``offset_s`` (schedule seconds) is due; return how late we are (s)."""
-        if self.speed is None:
-            return 0.0
-        due = self.start + offset_s / self.speed
-        now = time.perf_counter()
-        if due - now > self.spin_s:
-            time.sleep(due - now - self.spin_s)
-        while (now := time.perf_counter()) < due:
-            pass
-        late = now - due
-        self.lateness.append(late)
-        return late
-
-    def report(self) -> dict[str, float]:
-        """Lateness against the schedule: median, p99, max (ms), and sends later than 1 ms."""
-        if not self.lateness:
-            return {}
-        values = sorted(self.lateness)
-        n = len(values)
-        p99 = values[min(n - 1, int(n * 0.99))]
-        return {
-            "median_ms": values[n // 2] * 1e3,
-            "p99_ms": p99 * 1e3,
-            "max_ms": values[-1] * 1e3,
-            "late_over_1ms": sum(v > 0.001 for v in values),
-        }
-
-
 class RecordingSource:
     """Recordings (files, segment directories or journals) read back in recorded order."""
 

@@ -12,7 +12,7 @@ import click
 
 from .events import Batch
 from .options import nats_options
-from .pipeline import Item, Malformed, Narrowed
+from .pipeline import Emptied, Item, Malformed, Narrowed
 from .targets import NATS_FORMATS, ZMQ_FORMATS
 from .text import plural
 
@@ -147,10 +147,14 @@ def stall_warning(diagnostics: Any) -> Callable[[float], None]:
 
 class Sending:
     """The pipeline consumer of replay and bridge: delivered batches go to the sender, and a
-    malformed message is forwarded byte for byte when the target takes raw bytes."""
+    malformed message is forwarded byte for byte when the target takes raw bytes.
 
-    def __init__(self, sender: Any) -> None:
+    ``send_empty``: a batch without events is sent too (replay's ``--format raw``, which sends
+    every recorded message; it takes no filters, so such a batch carried no events)."""
+
+    def __init__(self, sender: Any, send_empty: bool = False) -> None:
         self.sender = sender
+        self.send_empty = send_empty
 
     def handle(self, item: Item) -> None:
         if type(item) is Batch:
@@ -159,6 +163,16 @@ class Sending:
             self.sender.write(item.batch, item.events)
         elif isinstance(item, Malformed):
             self.sender.write_raw(item.batch)
+        elif isinstance(item, Emptied) and self.send_empty:
+            self.sender.write(item.batch, item.batch.events)
+
+
+def wait_subscribers(target: Any, count: int | None, diagnostics: Any) -> None:
+    """``--wait-subscribers``: downstream first, so that nothing is sent into the void."""
+    if count:
+        diagnostics.say(f"kvctl: waiting for {plural(count, 'subscriber')}", "dim")
+        while not target.wait_subscribers(count, 0.2):
+            pass
 
 
 def linger(target: Any, seconds: float) -> None:

@@ -21,10 +21,10 @@ from ..publishing import (
     make_report,
     open_target,
     print_report,
+    wait_subscribers,
     with_target_options,
 )
 from ..redact import redact_url, shown_sources
-from ..text import plural
 
 
 @click.command("bridge", cls=KvctlCommand)
@@ -44,7 +44,8 @@ def command(**params: Any) -> None:
       kvctl bridge nats://127.0.0.1:4222 --to tcp://127.0.0.1:5557 --port-per-worker
     """
     from ..output import StderrDiagnostics
-    from ..pipeline import Schedule, Summary, run
+    from ..pacing import Schedule
+    from ..pipeline import Summary, run
     from ..session import Interrupted, make_filters, make_limits, open_source
     from ..targets import Sender
 
@@ -56,11 +57,7 @@ def command(**params: Any) -> None:
     started, cpu_start = time.perf_counter(), time.process_time()
     interrupted = False
     try:
-        if params["wait_subscribers"]:  # downstream first: nothing read is sent into the void
-            waiting = plural(params["wait_subscribers"], "subscriber")
-            diagnostics.say(f"kvctl: waiting for {waiting}", "dim")
-            while not target.wait_subscribers(params["wait_subscribers"], 0.2):
-                pass
+        wait_subscribers(target, params["wait_subscribers"], diagnostics)
         source = open_source(params["sources"], **connection_kwargs(params))
         diagnostics.say(
             f"kvctl: bridging {shown_sources(params['sources'])} -> {redact_url(params['to'])}",

@@ -189,7 +189,7 @@ def command(**params: Any) -> None:
     from ..errors import UsageError
     from ..events import Batch
     from ..output import StderrDiagnostics, dumps
-    from ..pipeline import Schedule
+    from ..pacing import Schedule
     from ..publishing import say_delivery, stall_warning, transport_notice
     from ..redact import redact_argv, redact_url
     from ..session import Interrupted
