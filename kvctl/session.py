@@ -8,7 +8,9 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .errors import ExitCode, KvctlError, UsageError
+import click
+
+from .errors import UsageError
 from .events import Batch
 from .options import connection_kwargs
 from .output import JsonLinesSink, PrettySink, StderrDiagnostics
@@ -26,15 +28,25 @@ from .pipeline import (
     run,
 )
 from .redact import shown_sources
+from .text import CLOSING_WORDS
 
 
-class Interrupted(KvctlError):
-    """Ctrl-C or SIGTERM: exit 130 after the summary (the message; empty with ``-q``)."""
+def on_interrupt(finish: Callable[[], str] | None, quiet: bool = False) -> None:
+    """What Ctrl-C (or SIGTERM) does from now on: ``cli.py``, the one place that handles it,
+    calls ``finish`` (the command's closing work: its report, the recording's last flush) and
+    exits 130 with the line ``finish`` returns on stderr (nothing with ``quiet``). ``None``:
+    nothing more is said (the command is closing already: its words are on their way)."""
+    meta = click.get_current_context().meta
+    if finish is None:
+        meta.pop(CLOSING_WORDS, None)
+    else:
+        meta[CLOSING_WORDS] = (finish, quiet)
 
-    exit_code = ExitCode.INTERRUPTED
 
-    def __init__(self, summary: str = "", quiet: bool = False) -> None:
-        super().__init__("" if quiet else summary)
+def interrupted(summary: Summary) -> str:
+    """The summary line of input that Ctrl-C stopped."""
+    summary.stopped_by = "interrupt"
+    return summary.line()
 
 
 def open_source(
@@ -83,7 +95,9 @@ def stream(params: dict[str, Any], connection: dict[str, Any] | None = None) -> 
     )
     source = open_source(params["sources"], **(connection or {}))
     summary = Summary()
-    try:  # a signal right after the "reading" line still gets the summary
+    # a signal right after the "reading" line still gets the summary
+    on_interrupt(lambda: interrupted(summary), params.get("quiet", False))
+    try:
         diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
         run(
             source,
@@ -93,12 +107,10 @@ def stream(params: dict[str, Any], connection: dict[str, Any] | None = None) -> 
             strict=params.get("strict", False),
             summary=summary,
         )
-    except KeyboardInterrupt:
-        summary.stopped_by = "interrupt"
-        raise Interrupted(summary.line(), params.get("quiet", False)) from None
     finally:
         sink.close()
         source.close()
+    on_interrupt(None)
     diagnostics.say("kvctl: " + summary.line(), "dim")
     return summary
 
@@ -149,18 +161,18 @@ class Ticking:
 
 def read(
     params: dict[str, Any],
+    summary: Summary,
     consume: Callable[[Batch], Any],
     tick: Callable[[], bool] | None = None,
     on_open: Callable[[Any], None] | None = None,
-) -> Summary:
-    """Open SOURCEs, run them through the tap pipeline into ``consume`` until a stop condition.
+) -> None:
+    """Open SOURCEs, run them through the tap pipeline into ``consume`` until a stop condition,
+    counting in ``summary``.
 
     ``tick`` runs between batches and at idle polls (return False to stop); ``on_open`` gets
-    the opened source. KeyboardInterrupt propagates, carrying the summary (``stopped_by ==
-    "interrupt"``) as its ``summary`` attribute, so each command decides what Ctrl-C prints.
-    """
+    the opened source. Ctrl-C propagates (see :func:`on_interrupt`: the command has said what
+    it then prints, from ``summary``)."""
     source = open_source(params["sources"], **connection_kwargs(params))
-    summary = Summary()
     try:
         if on_open is not None:
             on_open(source)
@@ -171,13 +183,8 @@ def read(
             make_filters(params),
             summary=summary,
         )
-    except KeyboardInterrupt as exc:
-        summary.stopped_by = "interrupt"
-        exc.summary = summary  # type: ignore[attr-defined]
-        raise
     finally:
         source.close()
-    return summary
 
 
 def live_addresses(source: Any, sources: tuple[str, ...]) -> list[str]:

@@ -46,7 +46,7 @@ def command(**params: Any) -> None:
     from ..output import StderrDiagnostics
     from ..pacing import Schedule
     from ..pipeline import Summary, run
-    from ..session import Interrupted, make_filters, make_limits, open_source
+    from ..session import make_filters, make_limits, on_interrupt, open_source
     from ..targets import Sender
 
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
@@ -55,7 +55,19 @@ def command(**params: Any) -> None:
     summary = Summary()
     sender = Sender(target, params["encoding"])
     started, cpu_start = time.perf_counter(), time.process_time()
-    interrupted = False
+
+    def send_report() -> None:
+        on_interrupt(None)
+        elapsed = time.perf_counter() - started
+        report = make_report(sender, elapsed, Schedule(None), time.process_time() - cpu_start)
+        report["received"] = summary.to_json()
+        print_report(report, params, diagnostics)
+        diagnostics.say("kvctl: received " + summary.line(), "dim")
+
+    def interrupted() -> str:
+        send_report()
+        return "interrupted"
+
     try:
         wait_subscribers(target, params["wait_subscribers"], diagnostics)
         source = open_source(params["sources"], **connection_kwargs(params))
@@ -71,18 +83,10 @@ def command(**params: Any) -> None:
             summary=summary,
         )
         linger(target, params["linger"])
-    except KeyboardInterrupt:
-        interrupted = True
     finally:
         if source is not None:
             source.close()
         target.close()
-    schedule = Schedule(None)
-    report = make_report(
-        sender, time.perf_counter() - started, schedule, time.process_time() - cpu_start
-    )
-    report["received"] = summary.to_json()
-    print_report(report, params, diagnostics)
-    diagnostics.say("kvctl: received " + summary.line(), "dim")
-    if interrupted:
-        raise Interrupted("interrupted", params["quiet"])
+        # Ctrl-C stopped the bridge (not its closing): the report of what was forwarded
+        on_interrupt(interrupted, params["quiet"])
+    send_report()

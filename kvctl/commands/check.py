@@ -16,7 +16,7 @@ from ..help import KvctlCommand
 from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..redact import shown_sources
-from ..session import Interrupted, live_addresses, read
+from ..session import live_addresses, on_interrupt, read
 from ..text import console, plural
 
 _SEVERITY_STYLE = {ERROR: "red", WARNING: "yellow", INFO: "cyan"}
@@ -199,34 +199,42 @@ def command(**params: Any) -> None:
         addresses.extend(live_addresses(source, params["sources"]))
         diagnostics.say(f"kvctl: checking {shown_sources(params['sources'])}", "dim")
 
-    interrupted = False
-    try:
-        summary = read(params, consume, tick, on_open)
-    except KeyboardInterrupt as exc:
-        summary = getattr(exc, "summary", Summary(stopped_by="interrupt"))
-        interrupted = True
-    say(checker.check_silent(addresses))
-    report = checker.finish(addresses)
-    fail = failed(report, params["fail_on"])
-    code = ExitCode.INTERRUPTED if interrupted else ExitCode.FINDINGS if fail else ExitCode.OK
-    if params["as_json"]:
-        from ..output import dumps
+    summary = Summary()
 
-        click.echo(
-            dumps(
-                {
-                    **report.to_json(),
-                    "failed": fail,
-                    "fail_on": params["fail_on"],
-                    "exit_code": int(code),
-                    "stream": summary.to_json(),
-                }
+    def report(interrupted: bool) -> bool:
+        """Print the report (a Ctrl-C still gets it); whether the check failed."""
+        on_interrupt(None)
+        if interrupted:
+            summary.stopped_by = "interrupt"
+        say(checker.check_silent(addresses))
+        found = checker.finish(addresses)
+        fail = failed(found, params["fail_on"])
+        code = ExitCode.INTERRUPTED if interrupted else ExitCode.FINDINGS if fail else ExitCode.OK
+        if params["as_json"]:
+            from ..output import dumps
+
+            click.echo(
+                dumps(
+                    {
+                        **found.to_json(),
+                        "failed": fail,
+                        "fail_on": params["fail_on"],
+                        "exit_code": int(code),
+                        "stream": summary.to_json(),
+                    }
+                )
             )
-        )
-    else:
-        print_report(report, summary, fail, console(soft_wrap=True))
-    if interrupted:
-        raise Interrupted(summary.line(), params["quiet"])
+        else:
+            print_report(found, summary, fail, console(soft_wrap=True))
+        return fail
+
+    def interrupted() -> str:
+        report(interrupted=True)
+        return summary.line()
+
+    on_interrupt(interrupted, quiet)
+    read(params, summary, consume, tick, on_open)
+    fail = report(interrupted=False)
     diagnostics.say(f"kvctl: {summary.line()}", "dim")
     if fail:
         raise click.exceptions.Exit(int(ExitCode.FINDINGS))

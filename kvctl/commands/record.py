@@ -92,13 +92,8 @@ def command(**params: Any) -> None:
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import LiveSource, Summary, run
     from ..redact import redact_argv, redact_url, shown_sources
-    from ..session import Interrupted, make_filters, make_limits, open_source
-    from ..transports.files import (
-        OutputExists,
-        RecordingWriter,
-        leftover_journals,
-        output_conflict,
-    )
+    from ..session import make_filters, make_limits, on_interrupt, open_source
+    from ..transports.files import OutputExists, RecordingWriter, output_conflict
 
     rotate_size = _parse(params["rotate_size"], _SIZE_UNITS, "size (e.g. 512M)")
     rotate_every = _parse(params["rotate_every"], _TIME_UNITS, "time interval (e.g. 5m)")
@@ -143,8 +138,23 @@ def command(**params: Any) -> None:
         raise TransportError(f"{params['output']}: cannot write: {exc.strerror or exc}") from None
     summary = Summary()
     progress = None
-    interrupted = False
     write_error: OSError | None = None
+    result: dict[str, Any] = {}
+
+    def closing_words(interrupted: bool) -> str:
+        """After the writer is closed: a write error, else the report; the summary line."""
+        on_interrupt(None)
+        if interrupted:
+            summary.stopped_by = "interrupt"
+        if write_error is not None:  # what was flushed is recoverable; say how much that is
+            raise _write_error(write_error, writer, summary, params["output"])
+        if params["as_json"]:
+            click.echo(dumps({"summary": summary.to_json(), "recording": result}))
+        return (
+            f"recorded {summary.line()} -> {params['output']} "
+            f"({plural(result.get('bytes', 0), 'byte', thousands=True)})"
+        )
+
     try:  # from here on, whatever happens, the writer is closed and the recording readable
         diagnostics.say(
             f"kvctl: recording {shown_sources(params['sources'])} -> {params['output']}", "dim"
@@ -156,9 +166,6 @@ def command(**params: Any) -> None:
         # the diagnostics after the sink: a malformed message is in the journal before its
         # line is shown (a line that is redacted: no password is echoed)
         run(source, [sink, diagnostics], make_limits(params), filters, summary=summary)
-    except KeyboardInterrupt:
-        summary.stopped_by = "interrupt"
-        interrupted = True
     except OSError as exc:  # disk full, file system gone: reported below, after closing
         summary.stopped_by = "write error"
         write_error = exc
@@ -170,36 +177,32 @@ def command(**params: Any) -> None:
             result = writer.close()
         except OSError as exc:
             write_error = exc
-    if write_error is not None:  # what was flushed is recoverable; say how much that is
-        elsewhere = " -o NEW.parquet" if isinstance(write_error, OutputExists) else ""
-        journalled = writer.counts["batches"]
-        kept = (
-            f"; {journalled:,} of {plural(summary.batches, 'received batch', thousands=True)}"
-            f" reached the journal"
-            if summary.batches > journalled
-            else ""
-        )
-        hint = (
-            f"; `kvctl recover {params['output']}{elsewhere}` restores what was flushed"
-            if leftover_journals(params["output"])
-            else ""
-        )
-        why = (
-            str(write_error)
-            if isinstance(write_error, OutputExists)
-            else write_error.strerror or write_error
-        )
-        raise TransportError(f"{params['output']}: cannot write: {why}{kept}{hint}")
-    report = {"summary": summary.to_json(), "recording": result}
-    if params["as_json"]:
-        click.echo(dumps(report))
-    line = (
-        f"kvctl: recorded {summary.line()} -> {params['output']} "
-        f"({plural(result.get('bytes', 0), 'byte', thousands=True)})"
+        # Ctrl-C stopped the recording (not its closing, which a second one would cut
+        # short): the recording is closed, report it
+        on_interrupt(lambda: closing_words(interrupted=True), params["quiet"])
+    diagnostics.say("kvctl: " + closing_words(interrupted=False), "dim")
+
+
+def _write_error(error: OSError, writer: Any, summary: Any, output: str) -> Exception:
+    """What a failed write says: why, how much reached the journal, how to recover it."""
+    from ..errors import TransportError
+    from ..transports.files import OutputExists, leftover_journals
+
+    elsewhere = " -o NEW.parquet" if isinstance(error, OutputExists) else ""
+    journalled = writer.counts["batches"]
+    kept = (
+        f"; {journalled:,} of {plural(summary.batches, 'received batch', thousands=True)}"
+        f" reached the journal"
+        if summary.batches > journalled
+        else ""
     )
-    if interrupted:
-        raise Interrupted(line.removeprefix("kvctl: "), params["quiet"])
-    diagnostics.say(line, "dim")
+    hint = (
+        f"; `kvctl recover {output}{elsewhere}` restores what was flushed"
+        if leftover_journals(output)
+        else ""
+    )
+    why = str(error) if isinstance(error, OutputExists) else error.strerror or error
+    return TransportError(f"{output}: cannot write: {why}{kept}{hint}")
 
 
 def _check_writable(output: str) -> None:

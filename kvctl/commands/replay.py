@@ -93,7 +93,7 @@ def command(**params: Any) -> None:
     from ..output import StderrDiagnostics
     from ..pacing import PacedSource, Schedule
     from ..pipeline import Limits, RecordingSource, run
-    from ..session import Interrupted, make_filters
+    from ..session import make_filters, on_interrupt
     from ..targets import Sender
 
     if params["encoding"] == "raw" and (
@@ -113,8 +113,17 @@ def command(**params: Any) -> None:
     speed = None if params["topspeed"] or params["rate"] else params["speed"]
     schedule = Schedule(None if params["topspeed"] else (1.0 if params["rate"] else speed))
     sender = Sender(target, params["encoding"])
-    interrupted = False
     progress = _Progress(diagnostics, params, sender)
+    elapsed = 0.0
+
+    def send_report() -> None:
+        on_interrupt(None)
+        cpu_s = time.process_time() - source.cpu_start
+        print_report(make_report(sender, elapsed, schedule, cpu_s), params, diagnostics)
+
+    def interrupted() -> str:
+        send_report()
+        return "interrupted"
 
     def next_loop(loop: int) -> None:
         sender.salt = _salt(loop) if params["unique_hashes"] else 0
@@ -138,16 +147,13 @@ def command(**params: Any) -> None:
         sending = Sending(sender, send_empty=params["encoding"] == "raw")
         run(source, [sending], Limits(count=params["count"]), make_filters(params))
         linger(target, params["linger"])
-    except KeyboardInterrupt:
-        interrupted = True
     finally:
         progress.stop()
         elapsed = time.perf_counter() - schedule.start
         target.close()
-    report = make_report(sender, elapsed, schedule, time.process_time() - source.cpu_start)
-    print_report(report, params, diagnostics)
-    if interrupted:
-        raise Interrupted("interrupted", params["quiet"])
+        # Ctrl-C stopped the replay (not its closing): the report of what was sent
+        on_interrupt(interrupted, params["quiet"])
+    send_report()
 
 
 def _salt(loop: int) -> int:

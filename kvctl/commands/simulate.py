@@ -192,7 +192,7 @@ def command(**params: Any) -> None:
     from ..pacing import Schedule
     from ..publishing import say_delivery, stall_warning, transport_notice
     from ..redact import redact_argv, redact_url
-    from ..session import Interrupted
+    from ..session import on_interrupt
     from ..targets import RecordingTarget, open_target
     from ..transports.files import output_conflict
 
@@ -247,7 +247,13 @@ def command(**params: Any) -> None:
     counts = {"batches": 0, "events": 0, "bytes": 0}
     started, cpu_started = time.monotonic(), time.process_time()
     display = None
-    interrupted = False
+
+    def interrupted() -> str:  # what was published so far, and who could have received it
+        on_interrupt(None)
+        if not params["as_json"]:
+            say_delivery(target.delivery(), counts["batches"], diagnostics)
+        return _summary_line(fleet, counts)
+
     try:
         if params["output"]:
             diagnostics.say(
@@ -296,17 +302,14 @@ def command(**params: Any) -> None:
             target.service()
             if display is not None:
                 display.tick()
-    except KeyboardInterrupt:
-        interrupted = True
     finally:
         if display is not None:
             display.stop()
         target.close()
+        # Ctrl-C stopped the simulation (not its closing): the target is closed, report it
+        on_interrupt(interrupted, params["quiet"])
+    on_interrupt(None)
     delivery = target.delivery()
-    if interrupted:  # what was published so far, and who could have received it
-        if not params["as_json"]:
-            say_delivery(delivery, counts["batches"], diagnostics)
-        raise Interrupted(_summary_line(fleet, counts), params["quiet"])
     result = {
         **fleet.stats(),
         **counts,

@@ -11,7 +11,7 @@ from ..help import KvctlCommand
 from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..redact import shown_sources
-from ..session import Interrupted, read
+from ..session import on_interrupt, read
 from ..text import plural
 
 
@@ -254,24 +254,29 @@ def command(**params: Any) -> None:
     def on_open(source: Any) -> None:
         diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
 
-    interrupted = False
-    try:
-        summary = read(params, collector.feed, on_open=on_open)
-    except KeyboardInterrupt as exc:
-        summary = getattr(exc, "summary", Summary(stopped_by="interrupt"))
-        interrupted = True
-    result = collector.result()
-    if params["as_json"]:
-        from ..output import dumps
+    summary = Summary()
 
-        click.echo(dumps({**result, "stream": summary.to_json()}))
-    else:
-        print_stats(result, summary, wide_console())
-    if params["plot_dir"]:
-        from ..plots import write_plots
+    def report() -> None:
+        on_interrupt(None)
+        result = collector.result()
+        if params["as_json"]:
+            from ..output import dumps
 
-        written = write_plots(result, params["plot_dir"], capacity=params["num_blocks"])
-        diagnostics.say(f"kvctl: wrote {', '.join(str(p) for p in written)}", "dim")
-    if interrupted:
-        raise Interrupted(summary.line(), params["quiet"])
+            click.echo(dumps({**result, "stream": summary.to_json()}))
+        else:
+            print_stats(result, summary, wide_console())
+        if params["plot_dir"]:
+            from ..plots import write_plots
+
+            written = write_plots(result, params["plot_dir"], capacity=params["num_blocks"])
+            diagnostics.say(f"kvctl: wrote {', '.join(str(p) for p in written)}", "dim")
+
+    def interrupted() -> str:  # what was read so far is reported, then exit 130
+        summary.stopped_by = "interrupt"
+        report()
+        return summary.line()
+
+    on_interrupt(interrupted, quiet)
+    read(params, summary, collector.feed, on_open=on_open)
+    report()
     diagnostics.say(f"kvctl: {summary.line()}", "dim")

@@ -15,7 +15,7 @@ from ..options import filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..redact import shown_sources
 from ..sequence import GAP, SequenceTracker
-from ..session import Interrupted, read
+from ..session import on_interrupt, read
 from ..state import StreamState, WorkerKey, recv_time, worker_label
 from ..text import plural
 
@@ -331,7 +331,7 @@ def command(**params: Any) -> None:
     view = {"sort": params["sort"], "reverse": params["reverse"], "quit": False}
     started = time.monotonic()
     model = TopModel(started)
-    live_summary = Summary()  # replaced by the pipeline's when it returns
+    summary = Summary()
     out = Console(
         highlight=False,
         soft_wrap=False,
@@ -414,9 +414,15 @@ def command(**params: Any) -> None:
         if not interactive:
             diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
 
-    interrupted = False
-    summary = live_summary
-    live = None
+    live: Any = None
+
+    def interrupted() -> str:
+        summary.stopped_by = "interrupt"
+        if live is None:
+            show(None)  # the last snapshot printed (a screen keeps its final frame)
+        return summary.line()
+
+    on_interrupt(interrupted, quiet)
     try:
         with Keys() as keys:
             if interactive:
@@ -426,19 +432,15 @@ def command(**params: Any) -> None:
                     frame(), console=out, auto_refresh=False, transient=False, redirect_stderr=False
                 )
                 live.start()
-            try:
-                summary = read(params, model.feed, make_tick(live, keys), on_open)
-            except KeyboardInterrupt as exc:
-                summary = getattr(exc, "summary", live_summary)
-                interrupted = True
+            read(params, summary, model.feed, make_tick(live, keys), on_open)
+            on_interrupt(None)
             show(live)  # the final state stays on screen (or is the last snapshot printed)
             if live is not None:
                 live.stop()
     finally:
-        if live is not None and live.is_started:
+        if live is not None and live.is_started:  # Ctrl-C: the final state stays on screen
+            live.update(frame(), refresh=True)
             live.stop()
     if view["quit"]:
         summary.stopped_by = "q"
-    if interrupted:
-        raise Interrupted(summary.line(), params["quiet"])
     diagnostics.say(f"kvctl: {summary.line()}", "dim")
