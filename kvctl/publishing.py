@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .events import Batch
-from .options import nats_options
 from .pipeline import Emptied, Item, Malformed, Narrowed
 from .targets import NATS_FORMATS, ZMQ_FORMATS
 from .text import plural
+
+if TYPE_CHECKING:
+    from .transports.nats import NatsOptions
 
 target_options = [
     click.option(
@@ -99,7 +101,7 @@ def with_target_options(func: Any) -> Any:
     return func
 
 
-def open_target(params: dict[str, Any], diagnostics: Any = None) -> Any:
+def open_target(params: dict[str, Any], nats: NatsOptions, diagnostics: Any = None) -> Any:
     """The target of a sending command's options (``--to``, ``--format``, the NATS
     credentials, ...). ``diagnostics`` hears of a subscriber holding the sends (once) and of
     NATS outages, as they happen."""
@@ -117,7 +119,7 @@ def open_target(params: dict[str, Any], diagnostics: Any = None) -> Any:
         namespace=params["namespace"],
         component=params["component"],
         endpoint=params["dynamo_endpoint"],
-        options=nats_options(params),
+        options=nats,
         on_long_stall=stall_warning(diagnostics) if diagnostics is not None else None,
         notify=transport_notice(diagnostics) if diagnostics is not None else None,
     )

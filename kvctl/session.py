@@ -12,7 +12,7 @@ import click
 
 from .errors import UsageError
 from .events import Batch
-from .options import connection_kwargs
+from .options import Sources
 from .output import JsonLinesSink, PrettySink, StderrDiagnostics
 from .pipeline import (
     Emptied,
@@ -49,64 +49,51 @@ def interrupted(summary: Summary) -> str:
     return summary.line()
 
 
-def open_source(
-    sources: tuple[str, ...] | list[str], quiet: bool = False, **connection: Any
-) -> Any:
+def open_source(sources: Sources, quiet: bool = False) -> Any:
     """Recordings, or live sources (returned at once: a missing engine or NATS server is
     waited for while the pipeline runs, with notices on stderr unless ``quiet``)."""
-    specs = [SourceSpec.parse(s) for s in sources]
+    specs = [SourceSpec.parse(s) for s in sources.addresses]
     files = [s for s in specs if s.kind == "file"]
     if files and len(files) != len(specs):
         raise UsageError("recordings and live sources cannot be mixed in one command")
     if files:
         return RecordingSource([s.address for s in files])
     notify = None if quiet else StderrDiagnostics().say
-    return LiveSource(specs, notify=notify, **connection)
-
-
-def make_filters(params: dict[str, Any]) -> Filters:
-    types = frozenset(
-        {
-            "blockstored": "BlockStored",
-            "blockremoved": "BlockRemoved",
-            "allblockscleared": "AllBlocksCleared",
-        }[t.lower()]
-        for t in params.get("types") or ()
-    )
-    return Filters(types=types, workers=frozenset(params.get("workers") or ()))
-
-
-def make_limits(params: dict[str, Any]) -> Limits:
-    return Limits(
-        count=params.get("count"),
-        duration=params.get("duration"),
-        idle_timeout=params.get("idle_timeout"),
+    c = sources.connection
+    if c is None:  # a command without source options: the defaults
+        return LiveSource(specs, notify=notify)
+    return LiveSource(
+        specs,
+        nats_options=c.nats,
+        subjects=list(c.subjects),
+        from_start=c.from_start,
+        replay_endpoints=list(c.replay_endpoints),
+        connect_timeout=c.connect_timeout,
+        topic=c.topic,
+        notify=notify,
+        max_queue=c.max_queue,
     )
 
 
-def stream(params: dict[str, Any], connection: dict[str, Any] | None = None) -> Summary:
+def stream(
+    sources: Sources,
+    selection: Filters,
+    limits: Limits,
+    as_json: bool = False,
+    hash_style: str = "unsigned",
+    quiet: bool = False,
+    strict: bool = False,
+) -> Summary:
     """tap/cat: print events from SOURCEs until a stop condition, then the summary."""
-    diagnostics = StderrDiagnostics(quiet=params.get("quiet", False))
-    hash_style = params.get("hash_format", "unsigned")
-    sink = (
-        JsonLinesSink(hash_style=hash_style)
-        if params.get("as_json")
-        else PrettySink(hash_style=hash_style)
-    )
-    source = open_source(params["sources"], **(connection or {}))
+    diagnostics = StderrDiagnostics(quiet=quiet)
+    sink = JsonLinesSink(hash_style=hash_style) if as_json else PrettySink(hash_style=hash_style)
+    source = open_source(sources, quiet)
     summary = Summary()
     # a signal right after the "reading" line still gets the summary
-    on_interrupt(lambda: interrupted(summary), params.get("quiet", False))
+    on_interrupt(lambda: interrupted(summary), quiet)
     try:
-        diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
-        run(
-            source,
-            [sink, diagnostics],
-            make_limits(params),
-            make_filters(params),
-            strict=params.get("strict", False),
-            summary=summary,
-        )
+        diagnostics.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
+        run(source, [sink, diagnostics], limits, selection, strict=strict, summary=summary)
     finally:
         sink.close()
         source.close()
@@ -160,11 +147,14 @@ class Ticking:
 
 
 def read(
-    params: dict[str, Any],
+    sources: Sources,
+    selection: Filters,
+    limits: Limits,
     summary: Summary,
     consume: Callable[[Batch], Any],
     tick: Callable[[], bool] | None = None,
     on_open: Callable[[Any], None] | None = None,
+    quiet: bool = False,
 ) -> None:
     """Open SOURCEs, run them through the tap pipeline into ``consume`` until a stop condition,
     counting in ``summary``.
@@ -172,24 +162,24 @@ def read(
     ``tick`` runs between batches and at idle polls (return False to stop); ``on_open`` gets
     the opened source. Ctrl-C propagates (see :func:`on_interrupt`: the command has said what
     it then prints, from ``summary``)."""
-    source = open_source(params["sources"], **connection_kwargs(params))
+    source = open_source(sources, quiet)
     try:
         if on_open is not None:
             on_open(source)
         run(
             source if tick is None else Ticking(source, tick),
             [EveryBatch(consume)],
-            make_limits(params),
-            make_filters(params),
+            limits,
+            selection,
             summary=summary,
         )
     finally:
         source.close()
 
 
-def live_addresses(source: Any, sources: tuple[str, ...]) -> list[str]:
+def live_addresses(source: Any, sources: Sources) -> list[str]:
     """The ``batch.source`` each live SOURCE argument produces (labels stripped); none for
     recordings, whose batches name the sources they were recorded from."""
     if not isinstance(source, LiveSource):
         return []
-    return [SourceSpec.parse(s).address for s in sources]
+    return [SourceSpec.parse(s).address for s in sources.addresses]

@@ -9,12 +9,13 @@ import click
 
 from ..help import KvctlCommand
 from ..options import (
-    connection_kwargs,
+    Sources,
     filter_options,
     limit_options,
     report_options,
     source_arguments,
 )
+from ..pipeline import Filters, Limits
 from ..publishing import (
     Sending,
     linger,
@@ -33,7 +34,7 @@ from ..redact import redact_url, shown_sources
 @filter_options
 @limit_options
 @report_options
-def command(**params: Any) -> None:
+def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Forward live streams to a target as they arrive: engine ZMQ -> Dynamo on NATS (what
     Dynamo's ZMQ relay does in-process), old vLLM arrays -> the new map form, NATS -> ZMQ.
 
@@ -46,11 +47,12 @@ def command(**params: Any) -> None:
     from ..output import StderrDiagnostics
     from ..pacing import Schedule
     from ..pipeline import Summary, run
-    from ..session import make_filters, make_limits, on_interrupt, open_source
+    from ..session import on_interrupt, open_source
     from ..targets import Sender
 
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
-    target = open_target(params, diagnostics)
+    assert sources.connection is not None  # live sources: the source options build it
+    target = open_target(params, sources.connection.nats, diagnostics)
     source = None
     summary = Summary()
     sender = Sender(target, params["encoding"])
@@ -70,16 +72,16 @@ def command(**params: Any) -> None:
 
     try:
         wait_subscribers(target, params["wait_subscribers"], diagnostics)
-        source = open_source(params["sources"], **connection_kwargs(params))
+        source = open_source(sources, params["quiet"])
         diagnostics.say(
-            f"kvctl: bridging {shown_sources(params['sources'])} -> {redact_url(params['to'])}",
+            f"kvctl: bridging {shown_sources(sources.addresses)} -> {redact_url(params['to'])}",
             "dim",
         )
         run(
             source,
             [diagnostics, Sending(sender)],
-            make_limits(params),
-            make_filters(params),
+            limits,
+            selection,
             summary=summary,
         )
         linger(target, params["linger"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from ..help import KvctlCommand
-from ..options import filter_options, limit_options, output_options
+from ..options import Sources, filter_options, limit_options, output_options
+from ..pipeline import Filters, Limits
 from ..session import stream
 
 
@@ -16,7 +17,14 @@ from ..session import stream
 @filter_options
 @limit_options
 @output_options
-def command(**params: object) -> None:
+def command(
+    sources: tuple[str, ...],
+    selection: Filters,
+    limits: Limits,
+    as_json: bool,
+    hash_format: str,
+    quiet: bool,
+) -> None:
     """Print the events of recordings (files, segment directories or journals) in recorded
     order, with tap's formatter, filters and stop conditions.
 
@@ -26,4 +34,4 @@ def command(**params: object) -> None:
       kvctl cat run.parquet --json --hash-format string --type BlockRemoved | jq .block_hashes
       kvctl cat segments/ -c 20 --worker 3
     """
-    stream(params)
+    stream(Sources(sources), selection, limits, as_json, hash_format, quiet)

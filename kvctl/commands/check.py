@@ -13,8 +13,8 @@ from ..checks import ERROR, INFO, RULES, WARNING, Checker, Finding, Report
 from ..errors import ExitCode
 from ..events import Batch
 from ..help import KvctlCommand
-from ..options import filter_options, limit_options, source_arguments
-from ..pipeline import Summary
+from ..options import Sources, filter_options, limit_options, source_arguments
+from ..pipeline import Filters, Limits, Summary
 from ..redact import shown_sources
 from ..session import live_addresses, on_interrupt, read
 from ..text import console, plural
@@ -128,7 +128,7 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
     help="The report as one JSON object on stdout (live findings stay on stderr).",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No live findings or summary on stderr.")
-def command(**params: Any) -> None:
+def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Check KV-event streams for what breaks KV-aware routing.
 
     Reads SOURCEs like tap (ZMQ endpoints, NATS servers, or a recording) until a stop
@@ -180,7 +180,7 @@ def command(**params: Any) -> None:
         if found:
             say(found)
 
-    idle = params["idle_timeout"]
+    idle = limits.idle_timeout
     started = time.monotonic()
     silent_checked = False
 
@@ -196,8 +196,8 @@ def command(**params: Any) -> None:
     def on_open(source: Any) -> None:
         nonlocal started
         started = time.monotonic()  # --idle-timeout counts from the start, like the pipeline's
-        addresses.extend(live_addresses(source, params["sources"]))
-        diagnostics.say(f"kvctl: checking {shown_sources(params['sources'])}", "dim")
+        addresses.extend(live_addresses(source, sources))
+        diagnostics.say(f"kvctl: checking {shown_sources(sources.addresses)}", "dim")
 
     summary = Summary()
 
@@ -233,7 +233,7 @@ def command(**params: Any) -> None:
         return summary.line()
 
     on_interrupt(interrupted, quiet)
-    read(params, summary, consume, tick, on_open)
+    read(sources, selection, limits, summary, consume, tick, on_open, quiet)
     fail = report(interrupted=False)
     diagnostics.say(f"kvctl: {summary.line()}", "dim")
     if fail:

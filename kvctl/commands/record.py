@@ -14,8 +14,8 @@ import click
 
 from ..events import Batch, Event
 from ..help import KvctlCommand
-from ..options import connection_kwargs, filter_options, limit_options, source_arguments
-from ..pipeline import Emptied, Gap, Item, Malformed, Narrowed
+from ..options import Sources, filter_options, limit_options, source_arguments
+from ..pipeline import Emptied, Filters, Gap, Item, Limits, Malformed, Narrowed
 from ..text import plural
 
 _SIZE_UNITS: dict[str, float] = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -74,7 +74,7 @@ def _parse(value: str | None, units: dict[str, float], what: str) -> float | Non
     "--json", "as_json", is_flag=True, help="Print the final summary as one JSON object on stdout."
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress line, diagnostics or summary.")
-def command(**params: Any) -> None:
+def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Record KV-event streams to Parquet, one row per event, raw bytes kept.
 
     Takes the same SOURCEs and options as tap. Malformed messages and sequence gaps are
@@ -92,7 +92,7 @@ def command(**params: Any) -> None:
     from ..output import StderrDiagnostics, dumps
     from ..pipeline import LiveSource, Summary, run
     from ..redact import redact_argv, redact_url, shown_sources
-    from ..session import make_filters, make_limits, on_interrupt, open_source
+    from ..session import on_interrupt, open_source
     from ..transports.files import OutputExists, RecordingWriter, output_conflict
 
     rotate_size = _parse(params["rotate_size"], _SIZE_UNITS, "size (e.g. 512M)")
@@ -113,20 +113,19 @@ def command(**params: Any) -> None:
         raise UsageError(conflict)
     _check_writable(params["output"])
     diagnostics = StderrDiagnostics(quiet=params["quiet"])
-    source = open_source(params["sources"], **connection_kwargs(params))
-    filters = make_filters(params)
+    source = open_source(sources, params["quiet"])
     try:
         writer = RecordingWriter(
             params["output"],
             rotate_size=int(rotate_size) if rotate_size else None,
             rotate_every=rotate_every,
             fsync=params["fsync"],
-            filters=filters,
-            labels=_labels(params["sources"]),
+            filters=selection,
+            labels=_labels(sources.addresses),
             overwrite=params["overwrite"],
             append=params["append"],
             metadata={
-                "sources": [redact_url(s) for s in params["sources"]],
+                "sources": [redact_url(s) for s in sources.addresses],
                 "command": redact_argv(sys.argv[1:]),
             },
         )
@@ -157,7 +156,7 @@ def command(**params: Any) -> None:
 
     try:  # from here on, whatever happens, the writer is closed and the recording readable
         diagnostics.say(
-            f"kvctl: recording {shown_sources(params['sources'])} -> {params['output']}", "dim"
+            f"kvctl: recording {shown_sources(sources.addresses)} -> {params['output']}", "dim"
         )
         # Live batches are journalled raw (frames + labels) and decoded again by the
         # converter; batches read back from recordings are journalled exactly.
@@ -165,7 +164,7 @@ def command(**params: Any) -> None:
         progress = None if params["quiet"] else _progress(writer, summary)
         # the diagnostics after the sink: a malformed message is in the journal before its
         # line is shown (a line that is redacted: no password is echoed)
-        run(source, [sink, diagnostics], make_limits(params), filters, summary=summary)
+        run(source, [sink, diagnostics], limits, selection, summary=summary)
     except OSError as exc:  # disk full, file system gone: reported below, after closing
         summary.stopped_by = "write error"
         write_error = exc

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..help import KvctlCommand
 from ..options import filter_options, nats_auth_options, report_options
 from ..pacing import Window
+from ..pipeline import Filters
 from ..publishing import (
     Sending,
     linger,
@@ -19,6 +20,9 @@ from ..publishing import (
     wait_subscribers,
     with_target_options,
 )
+
+if TYPE_CHECKING:
+    from ..transports.nats import NatsOptions
 
 
 def parse_window(value: str | None) -> Window | None:
@@ -76,7 +80,7 @@ def parse_window(value: str | None) -> Window | None:
 @filter_options
 @click.option("-c", "--count", type=click.IntRange(min=1), metavar="N", help="Stop after N events.")
 @report_options
-def command(**params: Any) -> None:
+def command(selection: Filters, nats: NatsOptions, **params: Any) -> None:
     """Replay recordings into an engine (ZMQ PUB that binds) or a router (Dynamo on NATS),
     in any producer's format, at the recorded pace, scaled, or at a fixed rate.
 
@@ -93,11 +97,11 @@ def command(**params: Any) -> None:
     from ..output import StderrDiagnostics
     from ..pacing import PacedSource, Schedule
     from ..pipeline import Limits, RecordingSource, run
-    from ..session import make_filters, on_interrupt
+    from ..session import on_interrupt
     from ..targets import Sender
 
     if params["encoding"] == "raw" and (
-        params["unique_hashes"] or params["types"] or params["workers"] or params["count"]
+        params["unique_hashes"] or selection.types or selection.workers or params["count"]
     ):
         raise click.UsageError(
             "--format raw sends recorded bytes unchanged: it cannot be "
@@ -109,7 +113,7 @@ def command(**params: Any) -> None:
     recording = RecordingSource(
         list(params["recordings"]), chunk_rows=4096 if params["topspeed"] else 256
     )
-    target = open_target(params, diagnostics)
+    target = open_target(params, nats, diagnostics)
     speed = None if params["topspeed"] or params["rate"] else params["speed"]
     schedule = Schedule(None if params["topspeed"] else (1.0 if params["rate"] else speed))
     sender = Sender(target, params["encoding"])
@@ -145,7 +149,7 @@ def command(**params: Any) -> None:
         wait_subscribers(target, params["wait_subscribers"], diagnostics)
         # raw sends every message, one without events too
         sending = Sending(sender, send_empty=params["encoding"] == "raw")
-        run(source, [sending], Limits(count=params["count"]), make_filters(params))
+        run(source, [sending], Limits(count=params["count"]), selection)
         linger(target, params["linger"])
     finally:
         progress.stop()

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..help import KvctlCommand
-from ..options import nats_auth_options, nats_options, report_options
+from ..options import nats_auth_options, report_options
 from ..text import plural
+
+if TYPE_CHECKING:
+    from ..transports.nats import NatsOptions
 
 
 @click.command("simulate", cls=KvctlCommand)
@@ -168,7 +171,7 @@ from ..text import plural
 )
 @nats_auth_options
 @report_options
-def command(**params: Any) -> None:
+def command(nats: NatsOptions, **params: Any) -> None:
     """Run a synthetic engine fleet that publishes realistic KV-cache events.
 
     Each worker is a paged KV cache with prefix caching and LRU eviction fed by a workload of
@@ -240,7 +243,7 @@ def command(**params: Any) -> None:
             namespace=params["namespace"],
             component=params["component"],
             endpoint=params["dynamo_endpoint"],
-            options=nats_options(params),
+            options=nats,
             on_long_stall=stall_warning(diagnostics),
             notify=transport_notice(diagnostics),
         )

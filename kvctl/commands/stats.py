@@ -8,8 +8,8 @@ import click
 
 from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from ..help import KvctlCommand
-from ..options import filter_options, limit_options, source_arguments
-from ..pipeline import Summary
+from ..options import Sources, filter_options, limit_options, source_arguments
+from ..pipeline import Filters, Limits, Summary
 from ..redact import shown_sources
 from ..session import on_interrupt, read
 from ..text import plural
@@ -218,7 +218,7 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or summary on stderr.")
-def command(**params: Any) -> None:
+def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Summarise KV-event streams: per worker and overall.
 
     Reads SOURCEs like tap (ZMQ endpoints, NATS servers, or a recording) until a stop
@@ -252,7 +252,7 @@ def command(**params: Any) -> None:
     collector = StatsCollector(bucket_s=params["interval"])
 
     def on_open(source: Any) -> None:
-        diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
+        diagnostics.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
 
     summary = Summary()
 
@@ -277,6 +277,6 @@ def command(**params: Any) -> None:
         return summary.line()
 
     on_interrupt(interrupted, quiet)
-    read(params, summary, collector.feed, on_open=on_open)
+    read(sources, selection, limits, summary, collector.feed, on_open=on_open, quiet=quiet)
     report()
     diagnostics.say(f"kvctl: {summary.line()}", "dim")

@@ -11,8 +11,8 @@ import click
 
 from ..events import BLOCK_REMOVED, BLOCK_STORED, Batch
 from ..help import KvctlCommand
-from ..options import filter_options, limit_options, source_arguments
-from ..pipeline import Summary
+from ..options import Sources, filter_options, limit_options, source_arguments
+from ..pipeline import Filters, Limits, Summary
 from ..redact import shown_sources
 from ..sequence import GAP, SequenceTracker
 from ..session import on_interrupt, read
@@ -303,7 +303,7 @@ class Keys:
     help="One JSON snapshot per refresh on stdout instead of a screen.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No messages or summary on stderr.")
-def command(**params: Any) -> None:
+def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Watch KV-event streams live: one row per worker, refreshed every second.
 
     Columns: blocks cached, blocks stored and removed per second, batches per second, last
@@ -412,7 +412,7 @@ def command(**params: Any) -> None:
 
     def on_open(source: Any) -> None:
         if not interactive:
-            diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
+            diagnostics.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
 
     live: Any = None
 
@@ -432,7 +432,16 @@ def command(**params: Any) -> None:
                     frame(), console=out, auto_refresh=False, transient=False, redirect_stderr=False
                 )
                 live.start()
-            read(params, summary, model.feed, make_tick(live, keys), on_open)
+            read(
+                sources,
+                selection,
+                limits,
+                summary,
+                model.feed,
+                make_tick(live, keys),
+                on_open,
+                quiet,
+            )
             on_interrupt(None)
             show(live)  # the final state stays on screen (or is the last snapshot printed)
             if live is not None:
