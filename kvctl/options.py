@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .events import EVENT_TYPES, HASH_STYLES
+from .output import Output
 from .pipeline import Filters, Limits
 
 if TYPE_CHECKING:
@@ -230,7 +231,13 @@ limit_options = _group(
     ),
 )
 
-output_options = _stack(
+output_options = _group(
+    "out",
+    lambda params: Output(
+        as_json=params.pop("as_json"),
+        quiet=params.pop("quiet"),
+        hash_style=params.pop("hash_format"),
+    ),
     click.option(
         "--json",
         "as_json",
@@ -250,7 +257,9 @@ output_options = _stack(
 )
 
 
-report_options = _stack(
+report_options = _group(
+    "out",
+    lambda params: Output(as_json=params.pop("as_json"), quiet=params.pop("quiet")),
     click.option(
         "--json", "as_json", is_flag=True, help="The final report as one JSON object on stdout."
     ),

@@ -8,6 +8,7 @@ import sys
 from datetime import datetime
 from typing import IO, Any
 
+import click
 import msgspec
 
 from .events import CORE_EVENT_FIELDS, Batch, Event, present_hash
@@ -243,15 +244,36 @@ def _brief(value: Any) -> str:
     return text if len(text) <= 24 else text[:22] + "…"
 
 
-class StderrDiagnostics:
-    """Gap, sequence and malformed-message lines for people, on stderr: a pipeline consumer
-    that shows the items a user must see, and the command's own lines (:meth:`say`)."""
+class Output:
+    """Where a command writes, built once from its output options (``--json``, ``-q``,
+    ``--hash-format``) and handed to it: on stdout JSON for programs or text for people, on
+    stderr the lines for people (nothing with ``quiet``). As a pipeline consumer it shows the
+    items a user must see: gaps, sequence irregularities and malformed messages."""
 
-    def __init__(self, console: Any = None, quiet: bool = False) -> None:
+    def __init__(
+        self,
+        as_json: bool = False,
+        quiet: bool = False,
+        hash_style: str = "unsigned",
+        console: Any = None,
+    ) -> None:
         from rich.console import Console
 
-        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+        self.as_json = as_json
         self.quiet = quiet
+        self.hash_style = hash_style
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+        """stderr"""
+
+    def events_sink(self) -> JsonLinesSink | PrettySink:
+        """Where delivered events go: JSON lines, or readable batches."""
+        if self.as_json:
+            return JsonLinesSink(hash_style=self.hash_style)
+        return PrettySink(hash_style=self.hash_style)
+
+    def json(self, obj: Any) -> None:
+        """One JSON object (a report) on stdout."""
+        click.echo(dumps(obj))
 
     def say(self, text: str, style: str = "") -> None:
         """One line, shown literally (a rich Text, never parsed as markup)."""

@@ -16,6 +16,7 @@ from .targets import NATS_FORMATS, ZMQ_FORMATS
 from .text import plural
 
 if TYPE_CHECKING:
+    from .output import Output
     from .transports.nats import NatsOptions
 
 target_options = [
@@ -205,11 +206,9 @@ def make_report(sender: Any, elapsed: float, schedule: Any, cpu_s: float) -> dic
     }
 
 
-def print_report(report: dict[str, Any], params: dict[str, Any], diagnostics: Any) -> None:
-    from .output import dumps
-
-    if params.get("as_json"):
-        click.echo(dumps(report))
+def print_report(report: dict[str, Any], out: Output) -> None:
+    if out.as_json:
+        out.json(report)
         return
     late = report["lateness"]
     lines = [
@@ -231,8 +230,8 @@ def print_report(report: dict[str, Any], params: dict[str, Any], diagnostics: An
             f"Skipped: {plural(report['skipped'], 'malformed message')} (sent only with raw)"
         )
     for line in lines:
-        diagnostics.say(line)
-    say_delivery(report.get("delivery"), report["batches"], diagnostics)
+        out.say(line)
+    say_delivery(report.get("delivery"), report["batches"], out)
 
 
 def say_delivery(delivery: dict[str, Any] | None, batches: int, diagnostics: Any) -> None:

@@ -13,7 +13,7 @@ import click
 from .errors import UsageError
 from .events import Batch
 from .options import Sources
-from .output import JsonLinesSink, PrettySink, StderrDiagnostics
+from .output import Output
 from .pipeline import (
     Emptied,
     Filters,
@@ -49,16 +49,16 @@ def interrupted(summary: Summary) -> str:
     return summary.line()
 
 
-def open_source(sources: Sources, quiet: bool = False) -> Any:
+def open_source(sources: Sources, out: Output) -> Any:
     """Recordings, or live sources (returned at once: a missing engine or NATS server is
-    waited for while the pipeline runs, with notices on stderr unless ``quiet``)."""
+    waited for while the pipeline runs, with notices on stderr unless quiet)."""
     specs = [SourceSpec.parse(s) for s in sources.addresses]
     files = [s for s in specs if s.kind == "file"]
     if files and len(files) != len(specs):
         raise UsageError("recordings and live sources cannot be mixed in one command")
     if files:
         return RecordingSource([s.address for s in files])
-    notify = None if quiet else StderrDiagnostics().say
+    notify = None if out.quiet else out.say
     c = sources.connection
     if c is None:  # a command without source options: the defaults
         return LiveSource(specs, notify=notify)
@@ -79,26 +79,23 @@ def stream(
     sources: Sources,
     selection: Filters,
     limits: Limits,
-    as_json: bool = False,
-    hash_style: str = "unsigned",
-    quiet: bool = False,
+    out: Output,
     strict: bool = False,
 ) -> Summary:
     """tap/cat: print events from SOURCEs until a stop condition, then the summary."""
-    diagnostics = StderrDiagnostics(quiet=quiet)
-    sink = JsonLinesSink(hash_style=hash_style) if as_json else PrettySink(hash_style=hash_style)
-    source = open_source(sources, quiet)
+    sink = out.events_sink()
+    source = open_source(sources, out)
     summary = Summary()
     # a signal right after the "reading" line still gets the summary
-    on_interrupt(lambda: interrupted(summary), quiet)
+    on_interrupt(lambda: interrupted(summary), out.quiet)
     try:
-        diagnostics.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
-        run(source, [sink, diagnostics], limits, selection, strict=strict, summary=summary)
+        out.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
+        run(source, [sink, out], limits, selection, strict=strict, summary=summary)
     finally:
         sink.close()
         source.close()
     on_interrupt(None)
-    diagnostics.say("kvctl: " + summary.line(), "dim")
+    out.say("kvctl: " + summary.line(), "dim")
     return summary
 
 
@@ -150,11 +147,11 @@ def read(
     sources: Sources,
     selection: Filters,
     limits: Limits,
+    out: Output,
     summary: Summary,
     consume: Callable[[Batch], Any],
     tick: Callable[[], bool] | None = None,
     on_open: Callable[[Any], None] | None = None,
-    quiet: bool = False,
 ) -> None:
     """Open SOURCEs, run them through the tap pipeline into ``consume`` until a stop condition,
     counting in ``summary``.
@@ -162,7 +159,7 @@ def read(
     ``tick`` runs between batches and at idle polls (return False to stop); ``on_open`` gets
     the opened source. Ctrl-C propagates (see :func:`on_interrupt`: the command has said what
     it then prints, from ``summary``)."""
-    source = open_source(sources, quiet)
+    source = open_source(sources, out)
     try:
         if on_open is not None:
             on_open(source)

@@ -15,6 +15,7 @@ from ..options import (
     report_options,
     source_arguments,
 )
+from ..output import Output
 from ..pipeline import Filters, Limits
 from ..publishing import (
     Sending,
@@ -34,7 +35,9 @@ from ..redact import redact_url, shown_sources
 @filter_options
 @limit_options
 @report_options
-def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
+def command(
+    sources: Sources, selection: Filters, limits: Limits, out: Output, **params: Any
+) -> None:
     """Forward live streams to a target as they arrive: engine ZMQ -> Dynamo on NATS (what
     Dynamo's ZMQ relay does in-process), old vLLM arrays -> the new map form, NATS -> ZMQ.
 
@@ -44,15 +47,13 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
       kvctl bridge 0=tcp://10.0.0.1:5557 --to tcp://127.0.0.1:6557 --format vllm
       kvctl bridge nats://127.0.0.1:4222 --to tcp://127.0.0.1:5557 --port-per-worker
     """
-    from ..output import StderrDiagnostics
     from ..pacing import Schedule
     from ..pipeline import Summary, run
     from ..session import on_interrupt, open_source
     from ..targets import Sender
 
-    diagnostics = StderrDiagnostics(quiet=params["quiet"])
     assert sources.connection is not None  # live sources: the source options build it
-    target = open_target(params, sources.connection.nats, diagnostics)
+    target = open_target(params, sources.connection.nats, out)
     source = None
     summary = Summary()
     sender = Sender(target, params["encoding"])
@@ -63,23 +64,23 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         elapsed = time.perf_counter() - started
         report = make_report(sender, elapsed, Schedule(None), time.process_time() - cpu_start)
         report["received"] = summary.to_json()
-        print_report(report, params, diagnostics)
-        diagnostics.say("kvctl: received " + summary.line(), "dim")
+        print_report(report, out)
+        out.say("kvctl: received " + summary.line(), "dim")
 
     def interrupted() -> str:
         send_report()
         return "interrupted"
 
     try:
-        wait_subscribers(target, params["wait_subscribers"], diagnostics)
-        source = open_source(sources, params["quiet"])
-        diagnostics.say(
+        wait_subscribers(target, params["wait_subscribers"], out)
+        source = open_source(sources, out)
+        out.say(
             f"kvctl: bridging {shown_sources(sources.addresses)} -> {redact_url(params['to'])}",
             "dim",
         )
         run(
             source,
-            [diagnostics, Sending(sender)],
+            [out, Sending(sender)],
             limits,
             selection,
             summary=summary,
@@ -90,5 +91,5 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
             source.close()
         target.close()
         # Ctrl-C stopped the bridge (not its closing): the report of what was forwarded
-        on_interrupt(interrupted, params["quiet"])
+        on_interrupt(interrupted, out.quiet)
     send_report()

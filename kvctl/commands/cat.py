@@ -6,6 +6,7 @@ import click
 
 from ..help import KvctlCommand
 from ..options import Sources, filter_options, limit_options, output_options
+from ..output import Output
 from ..pipeline import Filters, Limits
 from ..session import stream
 
@@ -21,9 +22,7 @@ def command(
     sources: tuple[str, ...],
     selection: Filters,
     limits: Limits,
-    as_json: bool,
-    hash_format: str,
-    quiet: bool,
+    out: Output,
 ) -> None:
     """Print the events of recordings (files, segment directories or journals) in recorded
     order, with tap's formatter, filters and stop conditions.
@@ -34,4 +33,4 @@ def command(
       kvctl cat run.parquet --json --hash-format string --type BlockRemoved | jq .block_hashes
       kvctl cat segments/ -c 20 --worker 3
     """
-    stream(Sources(sources), selection, limits, as_json, hash_format, quiet)
+    stream(Sources(sources), selection, limits, out)

@@ -149,10 +149,10 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
           --idle-timeout 30 --json > report.json
       kvctl check nats://127.0.0.1:4222 --num-blocks 8192 --fail-on warning -c 100000
     """
-    from ..output import StderrDiagnostics
+    from ..output import Output
 
     quiet = params["quiet"]
-    diagnostics = StderrDiagnostics(quiet=quiet)  # literal text: names and types are data
+    diagnostics = Output(as_json=params["as_json"], quiet=quiet)
     max_examples = params["max_examples"]
     checker = Checker(
         block_size=params["block_size"],
@@ -211,18 +211,14 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         fail = failed(found, params["fail_on"])
         code = ExitCode.INTERRUPTED if interrupted else ExitCode.FINDINGS if fail else ExitCode.OK
         if params["as_json"]:
-            from ..output import dumps
-
-            click.echo(
-                dumps(
-                    {
-                        **found.to_json(),
-                        "failed": fail,
-                        "fail_on": params["fail_on"],
-                        "exit_code": int(code),
-                        "stream": summary.to_json(),
-                    }
-                )
+            diagnostics.json(
+                {
+                    **found.to_json(),
+                    "failed": fail,
+                    "fail_on": params["fail_on"],
+                    "exit_code": int(code),
+                    "stream": summary.to_json(),
+                }
             )
         else:
             print_report(found, summary, fail, console(soft_wrap=True))
@@ -233,7 +229,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         return summary.line()
 
     on_interrupt(interrupted, quiet)
-    read(sources, selection, limits, summary, consume, tick, on_open, quiet)
+    read(sources, selection, limits, diagnostics, summary, consume, tick, on_open)
     fail = report(interrupted=False)
     diagnostics.say(f"kvctl: {summary.line()}", "dim")
     if fail:

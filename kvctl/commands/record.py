@@ -89,7 +89,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
       duckdb -c "SELECT type, count(*) FROM 'run.parquet' GROUP BY 1"
     """
     from ..errors import TransportError, UsageError
-    from ..output import StderrDiagnostics, dumps
+    from ..output import Output
     from ..pipeline import LiveSource, Summary, run
     from ..redact import redact_argv, redact_url, shown_sources
     from ..session import on_interrupt, open_source
@@ -112,8 +112,8 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
     if conflict is not None:  # before any source is opened: nothing of the user's is touched
         raise UsageError(conflict)
     _check_writable(params["output"])
-    diagnostics = StderrDiagnostics(quiet=params["quiet"])
-    source = open_source(sources, params["quiet"])
+    diagnostics = Output(as_json=params["as_json"], quiet=params["quiet"])
+    source = open_source(sources, diagnostics)
     try:
         writer = RecordingWriter(
             params["output"],
@@ -148,7 +148,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         if write_error is not None:  # what was flushed is recoverable; say how much that is
             raise _write_error(write_error, writer, summary, params["output"])
         if params["as_json"]:
-            click.echo(dumps({"summary": summary.to_json(), "recording": result}))
+            diagnostics.json({"summary": summary.to_json(), "recording": result})
         return (
             f"recorded {summary.line()} -> {params['output']} "
             f"({plural(result.get('bytes', 0), 'byte', thousands=True)})"

@@ -9,6 +9,7 @@ import click
 
 from ..help import KvctlCommand
 from ..options import filter_options, nats_auth_options, report_options
+from ..output import Output
 from ..pacing import Window
 from ..pipeline import Filters
 from ..publishing import (
@@ -80,7 +81,7 @@ def parse_window(value: str | None) -> Window | None:
 @filter_options
 @click.option("-c", "--count", type=click.IntRange(min=1), metavar="N", help="Stop after N events.")
 @report_options
-def command(selection: Filters, nats: NatsOptions, **params: Any) -> None:
+def command(selection: Filters, nats: NatsOptions, out: Output, **params: Any) -> None:
     """Replay recordings into an engine (ZMQ PUB that binds) or a router (Dynamo on NATS),
     in any producer's format, at the recorded pace, scaled, or at a fixed rate.
 
@@ -94,7 +95,6 @@ def command(selection: Filters, nats: NatsOptions, **params: Any) -> None:
       kvctl replay run.parquet --to nats://127.0.0.1:4222 --format dynamo --rate 1000
       kvctl replay run.parquet --to tcp://127.0.0.1:5557 --topspeed --loop 5 --unique-hashes
     """
-    from ..output import StderrDiagnostics
     from ..pacing import PacedSource, Schedule
     from ..pipeline import Limits, RecordingSource, run
     from ..session import on_interrupt
@@ -108,22 +108,21 @@ def command(selection: Filters, nats: NatsOptions, **params: Any) -> None:
             "combined with filters, -c or --unique-hashes"
         )
     start, end = parse_window(params["start"]), parse_window(params["end"])
-    diagnostics = StderrDiagnostics(quiet=params["quiet"])
     # paced sends must not stall while the next chunk is decoded (256 rows: ~3 ms stalls)
     recording = RecordingSource(
         list(params["recordings"]), chunk_rows=4096 if params["topspeed"] else 256
     )
-    target = open_target(params, nats, diagnostics)
+    target = open_target(params, nats, out)
     speed = None if params["topspeed"] or params["rate"] else params["speed"]
     schedule = Schedule(None if params["topspeed"] else (1.0 if params["rate"] else speed))
     sender = Sender(target, params["encoding"])
-    progress = _Progress(diagnostics, params, sender)
+    progress = _Progress(out, params, sender)
     elapsed = 0.0
 
     def send_report() -> None:
         on_interrupt(None)
         cpu_s = time.process_time() - source.cpu_start
-        print_report(make_report(sender, elapsed, schedule, cpu_s), params, diagnostics)
+        print_report(make_report(sender, elapsed, schedule, cpu_s), out)
 
     def interrupted() -> str:
         send_report()
@@ -146,7 +145,7 @@ def command(selection: Filters, nats: NatsOptions, **params: Any) -> None:
     try:
         if params["port_per_worker"] and hasattr(target, "open_for"):
             target.open_for(b for b in recording.batches() if b is not None and b.error is None)
-        wait_subscribers(target, params["wait_subscribers"], diagnostics)
+        wait_subscribers(target, params["wait_subscribers"], out)
         # raw sends every message, one without events too
         sending = Sending(sender, send_empty=params["encoding"] == "raw")
         run(source, [sending], Limits(count=params["count"]), selection)
@@ -156,7 +155,7 @@ def command(selection: Filters, nats: NatsOptions, **params: Any) -> None:
         elapsed = time.perf_counter() - schedule.start
         target.close()
         # Ctrl-C stopped the replay (not its closing): the report of what was sent
-        on_interrupt(interrupted, params["quiet"])
+        on_interrupt(interrupted, out.quiet)
     send_report()
 
 
@@ -171,9 +170,9 @@ class _Progress:
     recording's total (all loops), percent, ETA and the send rate. The total comes from the
     recording's footer (or manifest); without one (a journal) the bar shows the count alone."""
 
-    def __init__(self, diagnostics: Any, params: dict[str, Any], sender: Any) -> None:
+    def __init__(self, out: Any, params: dict[str, Any], sender: Any) -> None:
         self.bar: Any = None
-        if diagnostics.quiet or not diagnostics.console.is_terminal:
+        if out.quiet or not out.console.is_terminal:
             return
         from rich.progress import (
             BarColumn,
@@ -194,7 +193,7 @@ class _Progress:
             TextColumn("ETA"),
             TimeRemainingColumn(),
             TextColumn("{task.fields[rate]}"),
-            console=diagnostics.console,
+            console=out.console,
             transient=True,
         )
         self.task = self.bar.add_task("replaying", total=total, rate="")

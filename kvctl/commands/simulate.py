@@ -13,6 +13,7 @@ from ..options import nats_auth_options, report_options
 from ..text import plural
 
 if TYPE_CHECKING:
+    from ..output import Output
     from ..transports.nats import NatsOptions
 
 
@@ -171,7 +172,7 @@ if TYPE_CHECKING:
 )
 @nats_auth_options
 @report_options
-def command(nats: NatsOptions, **params: Any) -> None:
+def command(nats: NatsOptions, out: Output, **params: Any) -> None:
     """Run a synthetic engine fleet that publishes realistic KV-cache events.
 
     Each worker is a paged KV cache with prefix caching and LRU eviction fed by a workload of
@@ -191,7 +192,7 @@ def command(nats: NatsOptions, **params: Any) -> None:
     from ..engine.workload import TraceError
     from ..errors import UsageError
     from ..events import Batch
-    from ..output import StderrDiagnostics, dumps
+    from ..output import dumps
     from ..pacing import Schedule
     from ..publishing import say_delivery, stall_warning, transport_notice
     from ..redact import redact_argv, redact_url
@@ -203,7 +204,6 @@ def command(nats: NatsOptions, **params: Any) -> None:
         conflict = output_conflict(params["output"], segmented=False, overwrite=params["overwrite"])
         if conflict is not None:
             raise UsageError(conflict)
-    diagnostics = StderrDiagnostics(quiet=params["quiet"])
     try:  # the whole trace is checked here, before any socket or file is opened
         fleet = Fleet(
             workers=params["workers"],
@@ -244,8 +244,8 @@ def command(nats: NatsOptions, **params: Any) -> None:
             component=params["component"],
             endpoint=params["dynamo_endpoint"],
             options=nats,
-            on_long_stall=stall_warning(diagnostics),
-            notify=transport_notice(diagnostics),
+            on_long_stall=stall_warning(out),
+            notify=transport_notice(out),
         )
     counts = {"batches": 0, "events": 0, "bytes": 0}
     started, cpu_started = time.monotonic(), time.process_time()
@@ -253,25 +253,25 @@ def command(nats: NatsOptions, **params: Any) -> None:
 
     def interrupted() -> str:  # what was published so far, and who could have received it
         on_interrupt(None)
-        if not params["as_json"]:
-            say_delivery(target.delivery(), counts["batches"], diagnostics)
+        if not out.as_json:
+            say_delivery(target.delivery(), counts["batches"], out)
         return _summary_line(fleet, counts)
 
     try:
         if params["output"]:
-            diagnostics.say(
+            out.say(
                 f"kvctl: {plural(params['workers'], 'worker')} recording to {params['output']}",
                 "dim",
             )
         elif hasattr(target, "open_slots"):
             endpoints = target.open_slots(params["workers"])
-            diagnostics.say(
+            out.say(
                 f"kvctl: {plural(params['workers'], 'worker')} publishing on "
                 f"{endpoints[0]} .. {endpoints[-1]}",
                 "dim",
             )
         else:
-            diagnostics.say(
+            out.say(
                 f"kvctl: {plural(params['workers'], 'worker')} publishing to "
                 f"{redact_url(to)} "
                 f"({target.subject})",
@@ -279,7 +279,7 @@ def command(nats: NatsOptions, **params: Any) -> None:
             )
         if params["wait_subscribers"]:
             waiting = plural(params["wait_subscribers"], "subscriber")
-            diagnostics.say(f"kvctl: waiting for {waiting} on every worker", "dim")
+            out.say(f"kvctl: waiting for {waiting} on every worker", "dim")
             while not target.wait_subscribers(params["wait_subscribers"], 0.2):
                 pass
         if params["start_delay"]:
@@ -287,7 +287,7 @@ def command(nats: NatsOptions, **params: Any) -> None:
         epoch = params["epoch"] if params["epoch"] is not None else time.time()
         # an engine's step times jitter by more than a sleep overshoot: no spinning needed
         schedule = Schedule(None if params["topspeed"] else params["speedup"], spin_s=0.0)
-        display = _live_display(fleet, params, counts)
+        display = _live_display(fleet, out.quiet, counts)
         for t, worker, events in fleet.run():
             schedule.wait(t)
             batch = Batch(
@@ -310,7 +310,7 @@ def command(nats: NatsOptions, **params: Any) -> None:
             display.stop()
         target.close()
         # Ctrl-C stopped the simulation (not its closing): the target is closed, report it
-        on_interrupt(interrupted, params["quiet"])
+        on_interrupt(interrupted, out.quiet)
     on_interrupt(None)
     delivery = target.delivery()
     result = {
@@ -320,11 +320,11 @@ def command(nats: NatsOptions, **params: Any) -> None:
         "cpu_s": round(time.process_time() - cpu_started, 3),
         "delivery": delivery,
     }
-    if params["as_json"]:
+    if out.as_json:
         click.echo(dumps(result))
     else:
-        _print_summary(fleet, counts, diagnostics)
-        say_delivery(delivery, counts["batches"], diagnostics)
+        _print_summary(fleet, counts, out)
+        say_delivery(delivery, counts["batches"], out)
 
 
 def _summary_line(fleet: Any, counts: dict[str, int]) -> str:
@@ -385,13 +385,13 @@ def _worker_table(fleet: Any, title: str, rates: list[tuple[float, float]] | Non
     return table
 
 
-def _print_summary(fleet: Any, counts: dict[str, int], diagnostics: Any) -> None:
-    if diagnostics.quiet:
+def _print_summary(fleet: Any, counts: dict[str, int], out: Any) -> None:
+    if out.quiet:
         return
     from ..text import console
 
     console(stderr=True).print(_worker_table(fleet, "kvctl simulate: final state"))
-    diagnostics.say("kvctl: " + _summary_line(fleet, counts), "dim")
+    out.say("kvctl: " + _summary_line(fleet, counts), "dim")
 
 
 class _LiveTable:
@@ -435,10 +435,10 @@ class _LiveTable:
         self.live.stop()
 
 
-def _live_display(fleet: Any, params: dict[str, Any], counts: dict[str, int]) -> Any:
+def _live_display(fleet: Any, quiet: bool, counts: dict[str, int]) -> Any:
     from rich.console import Console
 
     console = Console(stderr=True)
-    if params["quiet"] or not console.is_terminal:
+    if quiet or not console.is_terminal:
         return None
     return _LiveTable(fleet, console, counts)

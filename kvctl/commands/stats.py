@@ -240,7 +240,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
       kvctl stats run.parquet --num-blocks 4096 --plot charts/
       kvctl stats nats://127.0.0.1:4222 -c 100000 --json | jq .reuse
     """
-    from ..output import StderrDiagnostics
+    from ..output import Output
     from ..stats import StatsCollector
 
     if params["plot_dir"]:
@@ -248,7 +248,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
 
         require_matplotlib()  # before a capture that may take minutes
     quiet = params["quiet"]
-    diagnostics = StderrDiagnostics(quiet=quiet)  # literal text: names and types are data
+    diagnostics = Output(as_json=params["as_json"], quiet=quiet)
     collector = StatsCollector(bucket_s=params["interval"])
 
     def on_open(source: Any) -> None:
@@ -260,9 +260,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         on_interrupt(None)
         result = collector.result()
         if params["as_json"]:
-            from ..output import dumps
-
-            click.echo(dumps({**result, "stream": summary.to_json()}))
+            diagnostics.json({**result, "stream": summary.to_json()})
         else:
             print_stats(result, summary, wide_console())
         if params["plot_dir"]:
@@ -277,6 +275,6 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         return summary.line()
 
     on_interrupt(interrupted, quiet)
-    read(sources, selection, limits, summary, collector.feed, on_open=on_open, quiet=quiet)
+    read(sources, selection, limits, diagnostics, summary, collector.feed, on_open=on_open)
     report()
     diagnostics.say(f"kvctl: {summary.line()}", "dim")

@@ -6,6 +6,7 @@ import click
 
 from ..help import KvctlCommand
 from ..options import Sources, filter_options, limit_options, output_options, source_arguments
+from ..output import Output
 from ..pipeline import Filters, Limits
 from ..session import stream
 
@@ -20,9 +21,7 @@ def command(
     sources: Sources,
     selection: Filters,
     limits: Limits,
-    as_json: bool,
-    hash_format: str,
-    quiet: bool,
+    out: Output,
     strict: bool,
 ) -> None:
     """Subscribe to KV-event streams and print every event.
@@ -39,4 +38,4 @@ def command(
       kvctl tap nats://127.0.0.1:4222 --from-start -c 100
       kvctl tap tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558 --duration 60
     """
-    stream(sources, selection, limits, as_json, hash_format, quiet, strict)
+    stream(sources, selection, limits, out, strict)

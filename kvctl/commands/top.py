@@ -321,10 +321,10 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
     """
     from rich.console import Console
 
-    from ..output import StderrDiagnostics
+    from ..output import Output
 
     quiet = params["quiet"]
-    diagnostics = StderrDiagnostics(quiet=quiet)  # literal text: names and types are data
+    diagnostics = Output(as_json=params["as_json"], quiet=quiet)
     as_json = params["as_json"]
     refresh = params["refresh"]
     sort_names = list(SORT_KEYS)
@@ -432,16 +432,8 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
                     frame(), console=out, auto_refresh=False, transient=False, redirect_stderr=False
                 )
                 live.start()
-            read(
-                sources,
-                selection,
-                limits,
-                summary,
-                model.feed,
-                make_tick(live, keys),
-                on_open,
-                quiet,
-            )
+            tick = make_tick(live, keys)
+            read(sources, selection, limits, diagnostics, summary, model.feed, tick, on_open)
             on_interrupt(None)
             show(live)  # the final state stays on screen (or is the last snapshot printed)
             if live is not None:
