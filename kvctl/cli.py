@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as exc:
         code = exc.exit_code
     except click.ClickException as exc:
-        exc.message = redact_url(exc.message)
+        # click declares message Final; redacted in place, every way of showing it is safe
+        exc.message = redact_url(exc.message)  # type: ignore[misc]
         variable = _environment_variable(exc)
         if variable:  # the user typed no option: name the variable they set, on one line
             print(f"kvctl: {variable}: {exc.message.rstrip('.')}", file=sys.stderr)

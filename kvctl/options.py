@@ -1,4 +1,8 @@
-"""Shared option groups: each concept is spelled once here and reused by every command.
+"""Shared option groups: each concept is spelled once here and reused by every command, and
+reaches the command as one typed object: the source arguments and options as ``sources``
+(:class:`Sources` with its :class:`Connection`), the NATS credentials as ``nats``
+(``NatsOptions``), ``--type``/``--worker`` as ``selection`` (``Filters``), the stop
+conditions as ``limits`` (``Limits``), the output options as ``out`` (``Output``).
 
 Every option can also come from the environment: ``KVCTL_<COMMAND>_<OPTION>`` (click's
 auto_envvar_prefix, e.g. ``KVCTL_TAP_COUNT=10``); NATS credentials have short names of their own
@@ -92,11 +96,57 @@ class ByteSize(click.ParamType):
         return size
 
 
+def _nats_options(params: dict[str, Any]) -> NatsOptions:
+    """The NATS credentials and TLS files (the values of :data:`nats_auth_options`, taken
+    out of ``params``), with ``--connect-timeout`` where the command has it."""
+    from .transports.nats import NatsOptions
+
+    return NatsOptions(
+        user=params.pop("nats_user"),
+        password=params.pop("nats_password"),
+        token=params.pop("nats_token"),
+        creds=params.pop("nats_creds"),
+        tls_ca=params.pop("tls_ca"),
+        tls_cert=params.pop("tls_cert"),
+        tls_key=params.pop("tls_key"),
+        connect_timeout=params.get("connect_timeout") or 5.0,
+    )
+
+
+def _sources(params: dict[str, Any]) -> Sources:
+    return Sources(
+        addresses=tuple(params.pop("sources")),
+        connection=Connection(
+            nats=params.pop("nats"),
+            subjects=tuple(params.pop("subjects")),
+            from_start=params.pop("from_start"),
+            replay_endpoints=tuple(params.pop("replay_endpoints")),
+            connect_timeout=params.pop("connect_timeout") or None,  # 0: wait forever
+            topic=params.pop("topic").encode(),
+            max_queue=params.pop("max_queue"),
+        ),
+    )
+
+
+_EVENT_TYPE_NAMES = {
+    "blockstored": "BlockStored",
+    "blockremoved": "BlockRemoved",
+    "allblockscleared": "AllBlocksCleared",
+}
+
+
+def _selection(params: dict[str, Any]) -> Filters:
+    return Filters(
+        types=frozenset(_EVENT_TYPE_NAMES[t.lower()] for t in params.pop("types") or ()),
+        workers=frozenset(params.pop("workers") or ()),
+    )
+
+
 # NATS credentials and TLS: the same for every command that talks to NATS, reading (tap,
 # record, check, ...) or publishing (replay, simulate, bridge's target)
 nats_auth_options = _group(
     "nats",
-    lambda params: _nats_options(params),
+    _nats_options,
     click.option("--nats-user", envvar="KVCTL_NATS_USER", metavar="USER", help="NATS user."),
     click.option(
         "--nats-password", envvar="KVCTL_NATS_PASSWORD", metavar="PASSWORD", help="NATS password."
@@ -131,7 +181,7 @@ nats_auth_options = _group(
 
 source_arguments = _group(
     "sources",
-    lambda params: _sources(params),
+    _sources,
     click.argument("sources", nargs=-1, required=True, metavar="SOURCE..."),
     click.option(
         "--subject",
@@ -186,7 +236,7 @@ source_arguments = _group(
 
 filter_options = _group(
     "selection",
-    lambda params: _selection(params),
+    _selection,
     click.option(
         "--type",
         "types",
@@ -267,49 +317,3 @@ report_options = _group(
         "-q", "--quiet", is_flag=True, help="No progress, diagnostics or report on stderr."
     ),
 )
-
-
-def _nats_options(params: dict[str, Any]) -> NatsOptions:
-    """The NATS credentials and TLS files (the values of :data:`nats_auth_options`, taken
-    out of ``params``), with ``--connect-timeout`` where the command has it."""
-    from .transports.nats import NatsOptions
-
-    return NatsOptions(
-        user=params.pop("nats_user"),
-        password=params.pop("nats_password"),
-        token=params.pop("nats_token"),
-        creds=params.pop("nats_creds"),
-        tls_ca=params.pop("tls_ca"),
-        tls_cert=params.pop("tls_cert"),
-        tls_key=params.pop("tls_key"),
-        connect_timeout=params.get("connect_timeout") or 5.0,
-    )
-
-
-def _sources(params: dict[str, Any]) -> Sources:
-    return Sources(
-        addresses=tuple(params.pop("sources")),
-        connection=Connection(
-            nats=params.pop("nats"),
-            subjects=tuple(params.pop("subjects")),
-            from_start=params.pop("from_start"),
-            replay_endpoints=tuple(params.pop("replay_endpoints")),
-            connect_timeout=params.pop("connect_timeout") or None,  # 0: wait forever
-            topic=params.pop("topic").encode(),
-            max_queue=params.pop("max_queue"),
-        ),
-    )
-
-
-_EVENT_TYPE_NAMES = {
-    "blockstored": "BlockStored",
-    "blockremoved": "BlockRemoved",
-    "allblockscleared": "AllBlocksCleared",
-}
-
-
-def _selection(params: dict[str, Any]) -> Filters:
-    return Filters(
-        types=frozenset(_EVENT_TYPE_NAMES[t.lower()] for t in params.pop("types") or ()),
-        workers=frozenset(params.pop("workers") or ()),
-    )

@@ -135,13 +135,14 @@ class TopModel:
         self.last_tick = now
         for row in self.rows.values():
             cur = (row.batches, row.stored, row.removed)
-            row.rates = tuple((c - p) / dt for c, p in zip(cur, row.prev, strict=True))
+            batches, stored, removed = ((c - p) / dt for c, p in zip(cur, row.prev, strict=True))
+            row.rates = (batches, stored, removed)
             row.prev = cur
 
     def snapshot(
         self, now_epoch: float, sort: str = "worker", reverse: bool = False
     ) -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
         for key, row in self.rows.items():
             cache = self.state.workers.get(key)
             seen = None if row.last_seen is None else max(0.0, now_epoch - row.last_seen)
