@@ -9,6 +9,8 @@ import os
 import pkgutil
 import signal
 import sys
+import traceback
+from collections.abc import Callable
 
 import click
 
@@ -16,6 +18,13 @@ from . import __version__, commands
 from .errors import ExitCode, KvctlError
 from .help import envvar_of
 from .redact import redact_url
+from .text import CLOSING_WORDS
+
+
+class Interrupted(KvctlError):
+    """Ctrl-C or SIGTERM: exit 130 after the command's closing line (empty with ``-q``)."""
+
+    exit_code = ExitCode.INTERRUPTED
 
 
 class LazyGroup(click.Group):
@@ -27,13 +36,37 @@ class LazyGroup(click.Group):
         )
 
     def invoke(self, ctx: click.Context) -> object:
+        """Runs the command; the one place that handles Ctrl-C and SIGTERM: the command's
+        closing work runs (see ``session.on_interrupt``), then exit 130 with its line."""
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            closing = ctx.meta.pop(CLOSING_WORDS, None)
+            if closing is None:  # nothing read yet, or closing already: nothing to say
+                raise
+            finish, quiet = closing
+            line = self._traced(ctx, finish)
+            raise Interrupted("" if quiet else line) from None
+        except KvctlError:
+            self._show_traceback(ctx)
+            raise
         except BrokenPipeError:
             # the reader went away (`kvctl tap --json | head`): quiet and successful, like
             # other Unix tools; caught here because click would turn it into exit 1
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise click.exceptions.Exit(0) from None
+
+    def _traced(self, ctx: click.Context, finish: Callable[[], str]) -> str:
+        try:
+            return finish()
+        except KvctlError:  # a recording that could not be finished, say
+            self._show_traceback(ctx)
+            raise
+
+    @staticmethod
+    def _show_traceback(ctx: click.Context) -> None:
+        if ctx.params.get("traceback"):
+            traceback.print_exc(file=sys.stderr)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name not in self.list_commands(ctx):
@@ -51,11 +84,17 @@ class LazyGroup(click.Group):
     },
 )
 @click.version_option(__version__, prog_name="kvctl")
-def cli() -> None:
+@click.option(
+    "--traceback",
+    is_flag=True,
+    help="On an error, print the Python traceback too (for bug reports).",
+)
+def cli(traceback: bool) -> None:
     """kvctl: tap, record, replay, simulate and check the KV-cache event streams of LLM
     inference engines (vLLM, SGLang, TensorRT-LLM, NVIDIA Dynamo).
 
     Exit codes: 0 ok, 1 runtime error, 2 usage, 3 `check` found errors, 130 interrupted.
+    For a bug report, run the command again with `kvctl --traceback COMMAND ...`.
     """
 
 
@@ -96,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as exc:
         code = exc.exit_code
     except click.ClickException as exc:
-        exc.message = redact_url(exc.message)
+        # click declares message Final; redacted in place, every way of showing it is safe
+        exc.message = redact_url(exc.message)  # type: ignore[misc]
         variable = _environment_variable(exc)
         if variable:  # the user typed no option: name the variable they set, on one line
             print(f"kvctl: {variable}: {exc.message.rstrip('.')}", file=sys.stderr)

@@ -1,4 +1,8 @@
-"""Shared option groups: each concept is spelled once here and reused by every command.
+"""Shared option groups: each concept is spelled once here and reused by every command, and
+reaches the command as one typed object: the source arguments and options as ``sources``
+(:class:`Sources` with its :class:`Connection`), the NATS credentials as ``nats``
+(``NatsOptions``), ``--type``/``--worker`` as ``selection`` (``Filters``), the stop
+conditions as ``limits`` (``Limits``), the output options as ``out`` (``Output``).
 
 Every option can also come from the environment: ``KVCTL_<COMMAND>_<OPTION>`` (click's
 auto_envvar_prefix, e.g. ``KVCTL_TAP_COUNT=10``); NATS credentials have short names of their own
@@ -7,12 +11,16 @@ auto_envvar_prefix, e.g. ``KVCTL_TAP_COUNT=10``); NATS credentials have short na
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from .events import EVENT_TYPES, HASH_STYLES
+from .output import Output
+from .selection import Filters, Limits
 
 if TYPE_CHECKING:
     from .transports.nats import NatsOptions
@@ -27,6 +35,44 @@ def _stack(*decorators: F) -> Callable[[F], F]:
         return func
 
     return apply
+
+
+def _group(name: str, build: Callable[[dict[str, Any]], Any], *decorators: F) -> Callable[[F], F]:
+    """Options that reach the command as one typed object, keyword argument ``name``:
+    ``build`` takes (pops) the group's values out of the parsed parameters."""
+
+    def apply(func: F) -> F:
+        @functools.wraps(func)
+        def command(**params: Any) -> Any:
+            params[name] = build(params)
+            return func(**params)
+
+        return _stack(*decorators)(command)
+
+    return apply
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How the live sources of a command are reached (its source options)."""
+
+    nats: NatsOptions
+    subjects: tuple[str, ...] = ()
+    from_start: bool = False
+    replay_endpoints: tuple[str, ...] = ()
+    connect_timeout: float | None = None
+    """None: wait without limit."""
+    topic: bytes = b""
+    max_queue: int | None = None
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The SOURCE arguments as given, and how the live ones are reached (None for commands
+    that read recordings only)."""
+
+    addresses: tuple[str, ...]
+    connection: Connection | None = None
 
 
 class ByteSize(click.ParamType):
@@ -50,9 +96,57 @@ class ByteSize(click.ParamType):
         return size
 
 
+def _nats_options(params: dict[str, Any]) -> NatsOptions:
+    """The NATS credentials and TLS files (the values of :data:`nats_auth_options`, taken
+    out of ``params``), with ``--connect-timeout`` where the command has it."""
+    from .transports.nats import NatsOptions
+
+    return NatsOptions(
+        user=params.pop("nats_user"),
+        password=params.pop("nats_password"),
+        token=params.pop("nats_token"),
+        creds=params.pop("nats_creds"),
+        tls_ca=params.pop("tls_ca"),
+        tls_cert=params.pop("tls_cert"),
+        tls_key=params.pop("tls_key"),
+        connect_timeout=params.get("connect_timeout") or 5.0,
+    )
+
+
+def _sources(params: dict[str, Any]) -> Sources:
+    return Sources(
+        addresses=tuple(params.pop("sources")),
+        connection=Connection(
+            nats=params.pop("nats"),
+            subjects=tuple(params.pop("subjects")),
+            from_start=params.pop("from_start"),
+            replay_endpoints=tuple(params.pop("replay_endpoints")),
+            connect_timeout=params.pop("connect_timeout") or None,  # 0: wait forever
+            topic=params.pop("topic").encode(),
+            max_queue=params.pop("max_queue"),
+        ),
+    )
+
+
+_EVENT_TYPE_NAMES = {
+    "blockstored": "BlockStored",
+    "blockremoved": "BlockRemoved",
+    "allblockscleared": "AllBlocksCleared",
+}
+
+
+def _selection(params: dict[str, Any]) -> Filters:
+    return Filters(
+        types=frozenset(_EVENT_TYPE_NAMES[t.lower()] for t in params.pop("types") or ()),
+        workers=frozenset(params.pop("workers") or ()),
+    )
+
+
 # NATS credentials and TLS: the same for every command that talks to NATS, reading (tap,
 # record, check, ...) or publishing (replay, simulate, bridge's target)
-nats_auth_options = _stack(
+nats_auth_options = _group(
+    "nats",
+    _nats_options,
     click.option("--nats-user", envvar="KVCTL_NATS_USER", metavar="USER", help="NATS user."),
     click.option(
         "--nats-password", envvar="KVCTL_NATS_PASSWORD", metavar="PASSWORD", help="NATS password."
@@ -85,7 +179,9 @@ nats_auth_options = _stack(
     ),
 )
 
-source_arguments = _stack(
+source_arguments = _group(
+    "sources",
+    _sources,
     click.argument("sources", nargs=-1, required=True, metavar="SOURCE..."),
     click.option(
         "--subject",
@@ -138,7 +234,9 @@ source_arguments = _stack(
     nats_auth_options,
 )
 
-filter_options = _stack(
+filter_options = _group(
+    "selection",
+    _selection,
     click.option(
         "--type",
         "types",
@@ -155,7 +253,13 @@ filter_options = _stack(
     ),
 )
 
-limit_options = _stack(
+limit_options = _group(
+    "limits",
+    lambda params: Limits(
+        count=params.pop("count"),
+        duration=params.pop("duration"),
+        idle_timeout=params.pop("idle_timeout"),
+    ),
     click.option(
         "-c",
         "--count",
@@ -177,7 +281,13 @@ limit_options = _stack(
     ),
 )
 
-output_options = _stack(
+output_options = _group(
+    "out",
+    lambda params: Output(
+        as_json=params.pop("as_json"),
+        quiet=params.pop("quiet"),
+        hash_style=params.pop("hash_format"),
+    ),
     click.option(
         "--json",
         "as_json",
@@ -197,7 +307,9 @@ output_options = _stack(
 )
 
 
-report_options = _stack(
+report_options = _group(
+    "out",
+    lambda params: Output(as_json=params.pop("as_json"), quiet=params.pop("quiet")),
     click.option(
         "--json", "as_json", is_flag=True, help="The final report as one JSON object on stdout."
     ),
@@ -205,35 +317,3 @@ report_options = _stack(
         "-q", "--quiet", is_flag=True, help="No progress, diagnostics or report on stderr."
     ),
 )
-
-
-def nats_options(params: dict[str, Any]) -> NatsOptions:
-    """The NATS credentials, TLS files and connect timeout of a command's options (those of
-    :data:`nats_auth_options`, and ``--connect-timeout`` where the command has it)."""
-    from .transports.nats import NatsOptions
-
-    return NatsOptions(
-        user=params["nats_user"],
-        password=params["nats_password"],
-        token=params["nats_token"],
-        creds=params["nats_creds"],
-        tls_ca=params["tls_ca"],
-        tls_cert=params["tls_cert"],
-        tls_key=params["tls_key"],
-        connect_timeout=params.get("connect_timeout") or 5.0,
-    )
-
-
-def connection_kwargs(params: dict[str, Any]) -> dict[str, Any]:
-    """Turn the source options of a command into LiveSource keyword arguments (plus ``quiet``,
-    which :func:`kvctl.session.open_source` turns into the notice channel)."""
-    return {
-        "nats_options": nats_options(params),
-        "subjects": list(params["subjects"]),
-        "from_start": params["from_start"],
-        "replay_endpoints": list(params["replay_endpoints"]),
-        "connect_timeout": params["connect_timeout"] or None,  # 0: wait forever, as before
-        "topic": params["topic"].encode(),
-        "max_queue": params.get("max_queue"),
-        "quiet": bool(params.get("quiet", False)),
-    }

@@ -8,10 +8,13 @@ import sys
 from datetime import datetime
 from typing import IO, Any
 
+import click
 import msgspec
 
 from .events import CORE_EVENT_FIELDS, Batch, Event, present_hash
+from .pipeline import Gap, Item, Malformed, Narrowed, SequenceIrregularity
 from .redact import redact_url
+from .sequence import REORDER
 from .text import plural
 
 _encoder = msgspec.json.Encoder()  # several times faster than json/orjson on these rows
@@ -91,14 +94,19 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
 
 
 class JsonLinesSink:
-    """One JSON object per event per line on stdout."""
+    """One JSON object per delivered event per line on stdout."""
 
     def __init__(self, stream: IO[bytes] | None = None, hash_style: str = "unsigned") -> None:
         self.stream = stream or sys.stdout.buffer
         self.hash_style = hash_style
 
-    def write(self, batch: Batch, events: list[Event]) -> None:
-        rows = event_rows(batch, events, self.hash_style)
+    def handle(self, item: Item) -> None:
+        if type(item) is Batch:
+            rows = event_rows(item, item.events, self.hash_style)
+        elif type(item) is Narrowed:
+            rows = event_rows(item.batch, item.events, self.hash_style)
+        else:
+            return
         try:
             self.stream.write(_encoder.encode_lines(rows))
         except (TypeError, OverflowError):
@@ -153,6 +161,12 @@ class PrettySink:
         self.console = console or _Console(highlight=False, soft_wrap=True, emoji=False)
         self.hash_style = hash_style
         self.max_hashes = max_hashes
+
+    def handle(self, item: Item) -> None:
+        if type(item) is Batch:
+            self.write(item, item.events)
+        elif isinstance(item, Narrowed):
+            self.write(item.batch, item.events)
 
     def write(self, batch: Batch, events: list[Event]) -> None:
         # Lines are built as rich Text, never as markup: a hex hash list "[d0326374b3…]" or a
@@ -230,14 +244,36 @@ def _brief(value: Any) -> str:
     return text if len(text) <= 24 else text[:22] + "…"
 
 
-class StderrDiagnostics:
-    """Gap, sequence and malformed-message lines for people, on stderr."""
+class Output:
+    """Where a command writes, built once from its output options (``--json``, ``-q``,
+    ``--hash-format``) and handed to it: on stdout JSON for programs or text for people, on
+    stderr the lines for people (nothing with ``quiet``). As a pipeline consumer it shows the
+    items a user must see: gaps, sequence irregularities and malformed messages."""
 
-    def __init__(self, console: Any = None, quiet: bool = False) -> None:
+    def __init__(
+        self,
+        as_json: bool = False,
+        quiet: bool = False,
+        hash_style: str = "unsigned",
+        console: Any = None,
+    ) -> None:
         from rich.console import Console
 
-        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+        self.as_json = as_json
         self.quiet = quiet
+        self.hash_style = hash_style
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+        """stderr"""
+
+    def events_sink(self) -> JsonLinesSink | PrettySink:
+        """Where delivered events go: JSON lines, or readable batches."""
+        if self.as_json:
+            return JsonLinesSink(hash_style=self.hash_style)
+        return PrettySink(hash_style=self.hash_style)
+
+    def json(self, obj: Any) -> None:
+        """One JSON object (a report) on stdout."""
+        click.echo(dumps(obj))
 
     def say(self, text: str, style: str = "") -> None:
         """One line, shown literally (a rich Text, never parsed as markup)."""
@@ -245,6 +281,16 @@ class StderrDiagnostics:
 
         if not self.quiet:  # sources may be URLs with a password: never shown
             self.console.print(Text(redact_url(text), style=style))
+
+    def handle(self, item: Item) -> None:
+        if type(item) is Batch or type(item) is Narrowed:  # the hot path: nothing to say
+            return
+        if isinstance(item, Malformed):
+            self.malformed(item.batch)
+        elif isinstance(item, Gap):
+            self.gap(item)
+        elif isinstance(item, SequenceIrregularity):
+            self.sequence(item)
 
     def malformed(self, batch: Batch) -> None:
         raw = b"|".join(batch.frames)
@@ -256,19 +302,27 @@ class StderrDiagnostics:
             "red",
         )
 
-    def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None:
-        missing = got - expected
+    def gap(self, gap: Gap) -> None:
+        recovered = gap.recovered
         how = f"{len(recovered)} recovered from the replay socket" if recovered else "not recovered"
         self.say(
-            f"kvctl: gap from {_publisher(publisher)}: seq {expected}..{got - 1} missing "
-            f"({plural(missing, 'batch')}, {how})",
+            f"kvctl: gap from {_publisher(gap.publisher)}: seq {gap.first}..{gap.end - 1} "
+            f"missing ({plural(gap.end - gap.first, 'batch')}, {how})",
             "yellow",
         )
 
-    def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None:
+    def sequence(self, irregularity: SequenceIrregularity) -> None:
+        kind = _SEQUENCE_WORDS.get(irregularity.kind, irregularity.kind)
         self.say(
-            f"kvctl: {kind} from {_publisher(publisher)}: seq {got} after {expected - 1}", "yellow"
-        )  # kind: late arrival, duplicate or restart
+            f"kvctl: {kind} from {_publisher(irregularity.publisher)}: seq "
+            f"{irregularity.got} after {irregularity.expected - 1}",
+            "yellow",
+        )
+
+
+_SEQUENCE_WORDS = {REORDER: "late arrival"}
+"""How a verdict of :mod:`kvctl.sequence` reads on stderr (others read as their name:
+duplicate, restart, recovered)."""
 
 
 def _publisher(publisher: Any) -> str:

@@ -13,6 +13,7 @@ from .errors import StrictModeError, TransportError, UsageError
 from .events import Batch, Event
 from .formats import decode_nats, decode_zmq
 from .selection import Filters, Limits
+from .sequence import GAP, SequenceTracker
 from .text import plural
 
 DRAIN_LIMIT = 512  # messages taken from one socket before the others get their turn
@@ -118,84 +119,68 @@ class Summary:
         return text
 
 
-class Diagnostics(Protocol):
-    """Where the pipeline reports what a user must see (printed on stderr by the command)."""
+@dataclass(slots=True)
+class Narrowed:
+    """A delivered batch of which the filters or ``--count`` kept only ``events``. A batch
+    delivered whole is handed over as the :class:`Batch` itself (no object per batch on the
+    hot path); ``events is not batch.events`` here, which tells a sender that the recorded
+    bytes no longer match."""
 
-    def malformed(self, batch: Batch) -> None: ...
-    def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None: ...
-    def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None: ...
+    batch: Batch
+    events: list[Event]
 
 
-class SeqTracker:
-    """Per-publisher sequence accounting: gaps, late arrivals, duplicates, restarts.
+@dataclass(slots=True)
+class Emptied:
+    """A batch that reached the pipeline but has no event to deliver: the filters removed
+    them all, or it carried none. Its seq still counts (a recorder keeps it, a checker sees
+    it arrive)."""
 
-    A seq beyond the next expected one opens a gap; a seq inside an open gap arrives late (a
-    reorder: the gap shrinks); any other old seq is a duplicate, except 0, a publisher
-    restart. A malformed message whose seq frame parsed counts only where its seq is the one
-    expected or fills a gap (so it is not also a gap); a seq frame of a message that is
-    otherwise garbage never opens a gap or a restart."""
+    batch: Batch
 
-    MAX_OPEN_GAPS = 64  # per publisher, to bound memory
 
-    def __init__(self, summary: Summary, diagnostics: Diagnostics | None) -> None:
-        self.next_seq: dict[Any, int] = {}
-        self.open_gaps: dict[Any, list[list[int]]] = {}
-        self.summary = summary
-        self.diagnostics = diagnostics
+@dataclass(slots=True)
+class Malformed:
+    """A message that could not be decoded (``batch.error`` says why; ``batch.frames`` holds
+    the bytes as received)."""
 
-    def check(self, batch: Batch) -> tuple[int, int] | None:
-        """Account for ``batch``; returns the missing range ``(first, end)`` on a forward gap."""
-        seq = batch.seq
-        if type(seq) is not int:
-            return None
-        key = batch.publisher
-        if batch.error is not None:
-            self._malformed(key, seq)
-            return None
-        expected = self.next_seq.get(key)
-        if expected is None or seq == expected:
-            self.next_seq[key] = seq + 1
-            return None
-        summary = self.summary
-        if seq > expected:
-            self.next_seq[key] = seq + 1
-            summary.gaps += 1
-            summary.missing += seq - expected
-            gaps = self.open_gaps.setdefault(key, [])
-            gaps.append([expected, seq])
-            del gaps[: -self.MAX_OPEN_GAPS]
-            return expected, seq
-        if self.fill(key, seq):
-            kind = "late arrival"
-            summary.reorders += 1
-            summary.missing -= 1
-        elif seq == 0 and expected > 1:
-            kind = "restart"
-            summary.restarts += 1
-            self.next_seq[key] = 1
-            self.open_gaps.pop(key, None)
-        else:
-            kind = "duplicate"
-            summary.duplicates += 1
-        if self.diagnostics:
-            self.diagnostics.sequence(key, kind, expected, seq)
-        return None
+    batch: Batch
 
-    def _malformed(self, key: Any, seq: int) -> None:
-        expected = self.next_seq.get(key)
-        if expected is not None and seq == expected:
-            self.next_seq[key] = seq + 1
-        elif expected is not None and seq < expected and self.fill(key, seq):
-            self.summary.missing -= 1  # arrived, if unreadable: counted as malformed
 
-    def fill(self, key: Any, seq: int) -> bool:
-        """Take ``seq`` out of the open gaps of ``key``; False if it was not missing."""
-        for i, (first, end) in enumerate(self.open_gaps.get(key, ())):
-            if first <= seq < end:
-                gaps = self.open_gaps[key]
-                gaps[i : i + 1] = [r for r in ([first, seq], [seq + 1, end]) if r[0] < r[1]]
-                return True
-        return False
+@dataclass(slots=True)
+class Gap:
+    """Seqs ``first..end-1`` of ``publisher`` were skipped; ``recovered`` lists those the
+    replay socket filled (delivered right after this item)."""
+
+    publisher: Any
+    first: int
+    end: int
+    recovered: list[int]
+
+
+@dataclass(slots=True)
+class SequenceIrregularity:
+    """A seq that is neither the next one nor a forward gap: ``kind`` is one of
+    :mod:`kvctl.sequence`'s verdicts other than a gap (reorder, recovered, duplicate,
+    restart)."""
+
+    kind: str
+    publisher: Any
+    expected: int
+    got: int
+
+
+Item = Batch | Narrowed | Emptied | Malformed | Gap | SequenceIrregularity
+"""What the pipeline hands its consumers, in stream order. A :class:`Batch` or a
+:class:`Narrowed` is a delivered batch; every batch received is exactly one of Batch,
+Narrowed, Emptied or Malformed."""
+
+
+class Consumer(Protocol):
+    """Everything downstream of the pipeline (sinks, checkers, stderr diagnostics): one
+    method, every item; a consumer ignores the kinds it has no use for."""
+
+    def handle(self, item: Item) -> None: ...
 
 
 class Source(Protocol):
@@ -528,29 +513,20 @@ class LiveSource:
             self._say(f"kvctl: never connected to {', '.join(self.waiting.values())}", "yellow")
 
 
-class Sink(Protocol):
-    def write(self, batch: Batch, events: list[Event]) -> None: ...
-    def close(self) -> None: ...
-
-
 def run(
     source: Any,
-    sink: Sink,
+    consumers: list[Consumer],
     limits: Limits,
     filters: Filters | None = None,
-    diagnostics: Diagnostics | None = None,
     strict: bool = False,
     summary: Summary | None = None,
-    on_batch: Callable[[Batch], None] | None = None,
 ) -> Summary:
-    """Drive ``source`` into ``sink`` until input ends or a stop condition holds.
-
-    ``on_batch`` sees every batch (including malformed and filtered-out ones) before filtering:
-    recorders and checkers use it so that nothing is lost to a filter or a count.
-    """
+    """Drive ``source`` until input ends or a stop condition holds, handing every item to
+    every consumer in order (malformed and emptied batches included, so that recorders and
+    checkers lose nothing to a filter)."""
     summary = summary or Summary()
     try:
-        return _run(source, sink, limits, filters, diagnostics, strict, summary, on_batch)
+        return _run(source, consumers, limits, filters, strict, summary)
     except KeyboardInterrupt:
         unprocessed = getattr(source, "unprocessed", None)
         if unprocessed is not None:
@@ -564,17 +540,21 @@ def run(
 
 def _run(
     source: Any,
-    sink: Sink,
+    consumers: list[Consumer],
     limits: Limits,
     filters: Filters | None,
-    diagnostics: Diagnostics | None,
     strict: bool,
     summary: Summary,
-    on_batch: Callable[[Batch], None] | None,
 ) -> Summary:
     filter_events = filters.apply if filters and (filters.types or filters.workers) else None
     counts = summary.events
-    tracker = SeqTracker(summary, diagnostics)
+    handlers = [consumer.handle for consumer in consumers]
+
+    def hand_over(item: Item) -> None:
+        for handle in handlers:
+            handle(item)
+
+    tracker = SequenceTracker()
     remaining = limits.count
     start = time.monotonic()
     deadline = start + limits.duration if limits.duration is not None else None
@@ -592,32 +572,42 @@ def _run(
                 break
             continue
         last_activity = now
-        gap = tracker.check(batch)
         pending: tuple | list = (batch,)
-        if gap is not None:
-            recovered = recover(batch, *gap) if recover else []
-            for item in recovered:
-                tracker.fill(batch.publisher, item.seq)
-            summary.recovered += len(recovered)
-            summary.missing -= len(recovered)
-            if diagnostics:
-                diagnostics.gap(batch.publisher, gap[0], gap[1], [b.seq for b in recovered])
-            pending = [*recovered, batch]
+        irregularity = tracker.observe(batch)
+        if irregularity is not None:
+            if irregularity.kind == GAP:
+                first, end = irregularity.expected, irregularity.got
+                recovered = recover(batch, first, end) if recover else []
+                for item in recovered:
+                    tracker.fill(irregularity.publisher, item.seq)
+                _count_sequence(summary, tracker)
+                hand_over(Gap(irregularity.publisher, first, end, [b.seq for b in recovered]))
+                pending = [*recovered, batch]
+            else:
+                _count_sequence(summary, tracker)
+                hand_over(
+                    SequenceIrregularity(
+                        irregularity.kind,
+                        irregularity.publisher,
+                        irregularity.expected,
+                        irregularity.got,
+                    )
+                )
+        elif batch.error is not None:
+            _count_sequence(summary, tracker)  # its seq may have filled a gap
         for item in pending:
             summary.batches += 1
             summary.publishers.add(item.publisher)
-            if on_batch is not None:
-                on_batch(item)
             if item.error is not None:
                 summary.malformed += 1
-                if diagnostics:
-                    diagnostics.malformed(item)
+                hand_over(Malformed(item))
                 if strict:
                     summary.stopped_by = "--strict"
                     raise StrictModeError(f"malformed message from {item.source}: {item.error}")
                 continue
             events = filter_events(item) if filter_events else item.events
             if not events:
+                hand_over(Emptied(item))
                 continue
             if remaining is not None:
                 if len(events) > remaining:
@@ -625,7 +615,9 @@ def _run(
                 remaining -= len(events)
             for event in events:
                 counts[event["type"]] += 1
-            sink.write(item, events)
+            delivered = item if events is item.events else Narrowed(item, events)
+            for handle in handlers:
+                handle(delivered)
             if remaining == 0:
                 summary.stopped_by = "--count"
                 return summary
@@ -635,45 +627,12 @@ def _run(
     return summary
 
 
-class Schedule:
-    """An absolute send schedule: item k is due at ``start + offset_k / speed``.
-
-    Every wait is computed from the start, never from the previous send, so errors do not
-    accumulate; it sleeps until shortly before the due time and spins the rest, because
-    ``time.sleep`` overshoots by up to a scheduler tick (``spin_s=0`` trades that precision for
-    idle CPU, as the simulator does). ``speed=None`` sends at top speed.
-    """
-
-    def __init__(self, speed: float | None = 1.0, spin_s: float = 0.0005) -> None:
-        self.speed = speed
-        self.spin_s = spin_s
-        self.start = time.perf_counter()
-        self.lateness: list[float] = []
-
-    def wait(self, offset_s: float) -> float:
-        """Block until ``offset_s`` (schedule seconds) is due; return how late we are (s)."""
-        if self.speed is None:
-            return 0.0
-        due = self.start + offset_s / self.speed
-        now = time.perf_counter()
-        if due - now > self.spin_s:
-            time.sleep(due - now - self.spin_s)
-        while (now := time.perf_counter()) < due:
-            pass
-        late = now - due
-        self.lateness.append(late)
-        return late
-
-    def report(self) -> dict[str, float]:
-        """Lateness against the schedule: median, p99, max (ms), and sends later than 1 ms."""
-        if not self.lateness:
-            return {}
-        values = sorted(self.lateness)
-        n = len(values)
-        p99 = values[min(n - 1, int(n * 0.99))]
-        return {
-            "median_ms": values[n // 2] * 1e3,
-            "p99_ms": p99 * 1e3,
-            "max_ms": values[-1] * 1e3,
-            "late_over_1ms": sum(v > 0.001 for v in values),
-        }
+def _count_sequence(summary: Summary, tracker: SequenceTracker) -> None:
+    """The summary's sequence counts are the tracker's (updated off the hot path only: a
+    batch in order changes none of them)."""
+    summary.gaps = tracker.gaps
+    summary.missing = tracker.missing
+    summary.recovered = tracker.recovered
+    summary.reorders = tracker.reorders
+    summary.duplicates = tracker.duplicates
+    summary.restarts = tracker.restarts

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from .options import nats_options
+from .events import Batch
+from .pipeline import Emptied, Item, Malformed, Narrowed
 from .targets import NATS_FORMATS, ZMQ_FORMATS
 from .text import plural
+
+if TYPE_CHECKING:
+    from .output import Output
+    from .transports.nats import NatsOptions
 
 target_options = [
     click.option(
@@ -97,7 +102,7 @@ def with_target_options(func: Any) -> Any:
     return func
 
 
-def open_target(params: dict[str, Any], diagnostics: Any = None) -> Any:
+def open_target(params: dict[str, Any], nats: NatsOptions, diagnostics: Any = None) -> Any:
     """The target of a sending command's options (``--to``, ``--format``, the NATS
     credentials, ...). ``diagnostics`` hears of a subscriber holding the sends (once) and of
     NATS outages, as they happen."""
@@ -115,7 +120,7 @@ def open_target(params: dict[str, Any], diagnostics: Any = None) -> Any:
         namespace=params["namespace"],
         component=params["component"],
         endpoint=params["dynamo_endpoint"],
-        options=nats_options(params),
+        options=nats,
         on_long_stall=stall_warning(diagnostics) if diagnostics is not None else None,
         notify=transport_notice(diagnostics) if diagnostics is not None else None,
     )
@@ -141,6 +146,36 @@ def stall_warning(diagnostics: Any) -> Callable[[float], None]:
         )
 
     return say
+
+
+class Sending:
+    """The pipeline consumer of replay and bridge: delivered batches go to the sender, and a
+    malformed message is forwarded byte for byte when the target takes raw bytes.
+
+    ``send_empty``: a batch without events is sent too (replay's ``--format raw``, which sends
+    every recorded message; it takes no filters, so such a batch carried no events)."""
+
+    def __init__(self, sender: Any, send_empty: bool = False) -> None:
+        self.sender = sender
+        self.send_empty = send_empty
+
+    def handle(self, item: Item) -> None:
+        if type(item) is Batch:
+            self.sender.write(item, item.events)
+        elif isinstance(item, Narrowed):
+            self.sender.write(item.batch, item.events)
+        elif isinstance(item, Malformed):
+            self.sender.write_raw(item.batch)
+        elif isinstance(item, Emptied) and self.send_empty:
+            self.sender.write(item.batch, item.batch.events)
+
+
+def wait_subscribers(target: Any, count: int | None, diagnostics: Any) -> None:
+    """``--wait-subscribers``: downstream first, so that nothing is sent into the void."""
+    if count:
+        diagnostics.say(f"kvctl: waiting for {plural(count, 'subscriber')}", "dim")
+        while not target.wait_subscribers(count, 0.2):
+            pass
 
 
 def linger(target: Any, seconds: float) -> None:
@@ -171,11 +206,9 @@ def make_report(sender: Any, elapsed: float, schedule: Any, cpu_s: float) -> dic
     }
 
 
-def print_report(report: dict[str, Any], params: dict[str, Any], diagnostics: Any) -> None:
-    from .output import dumps
-
-    if params.get("as_json"):
-        click.echo(dumps(report))
+def print_report(report: dict[str, Any], out: Output) -> None:
+    if out.as_json:
+        out.json(report)
         return
     late = report["lateness"]
     lines = [
@@ -197,8 +230,8 @@ def print_report(report: dict[str, Any], params: dict[str, Any], diagnostics: An
             f"Skipped: {plural(report['skipped'], 'malformed message')} (sent only with raw)"
         )
     for line in lines:
-        diagnostics.say(line)
-    say_delivery(report.get("delivery"), report["batches"], diagnostics)
+        out.say(line)
+    say_delivery(report.get("delivery"), report["batches"], out)
 
 
 def say_delivery(delivery: dict[str, Any] | None, batches: int, diagnostics: Any) -> None:

@@ -8,6 +8,10 @@ from typing import Any
 
 _IRREGULAR = {"reply": "replies", "is": "are", "was": "were"}
 
+CLOSING_WORDS = "kvctl.closing_words"
+"""Where a command leaves, in click's context ``meta``, what Ctrl-C (or SIGTERM) ends it with:
+``(finish, quiet)``, set by ``session.on_interrupt`` and used by ``cli.py`` only."""
+
 PIPED_WIDTH = 100_000
 """Console width when not writing to a terminal: wide enough that no table cell is folded or
 ellipsised (rich assumes 80 columns otherwise), so piped output keeps every value whole."""

@@ -23,7 +23,7 @@ from inprocess import Live, run_main
 from kvctl.events import Batch
 from kvctl.pipeline import run
 from kvctl.selection import Filters, Limits
-from kvctl.session import Feed
+from kvctl.session import EveryBatch
 
 
 def report(out: str) -> dict:
@@ -247,8 +247,8 @@ def test_unreachable_source_is_a_runtime_error():
     assert result.code == 1 and "connection refused" in result.err
 
 
-def test_feed_hands_over_every_batch_once_with_selected_events():
-    # the Feed contract the three commands rely on, through the real pipeline
+def test_every_batch_once_with_selected_events():
+    # the contract the three commands rely on, through the real pipeline
     batches = [
         Batch("s", [stored([1]), removed([1])], "x", seq=0, publisher="s"),
         Batch("s", [removed([2])], "x", seq=1, publisher="s"),
@@ -256,15 +256,12 @@ def test_feed_hands_over_every_batch_once_with_selected_events():
         Batch("s", [stored([3]), stored([4])], "x", seq=3, publisher="s"),
     ]
     seen: list[Batch] = []
-    feed = Feed(seen.append)
     run(
         type("Src", (), {"batches": lambda self: iter(batches)})(),
-        feed,
+        [EveryBatch(seen.append)],
         Limits(count=2),
         Filters(types=frozenset({"BlockStored"})),
-        on_batch=feed.on_batch,
     )
-    feed.close()
     assert [(b.seq, [e["type"] for e in b.events], b.error) for b in seen] == [
         (0, ["BlockStored"], None),
         (1, [], None),

@@ -205,7 +205,7 @@ def assert_printable_and_recordable(batch) -> None:
     from kvctl.recording.rows import batches_to_record_batch
 
     out = io.BytesIO()
-    JsonLinesSink(out).write(batch, batch.events)
+    JsonLinesSink(out).handle(batch)
     assert out.getvalue().count(b"\n") == len(batch.events)
     PrettySink(console=_quiet_console()).write(batch, batch.events)
     assert batches_to_record_batch([batch]).num_rows >= 1

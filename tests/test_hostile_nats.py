@@ -24,10 +24,9 @@ from test_formats_engine import assert_printable_and_recordable
 from kvctl.events import MAX_DEPTH
 from kvctl.formats import decode_nats, decode_zmq
 from kvctl.formats.dynamo import encode_envelope, encode_event_plane, encode_json, router_event
-from kvctl.pipeline import SeqTracker, Summary
 from kvctl.recording.rebuild import record_batch_to_batches
 from kvctl.recording.rows import batches_to_record_batch
-from kvctl.sequence import SequenceTracker as StateSeqTracker
+from kvctl.sequence import SequenceTracker
 from kvctl.stats import StatsCollector
 
 SUBJECTS = [
@@ -76,10 +75,9 @@ def assert_consumable(batch, data: bytes) -> None:
     hash(batch.publisher)  # sequence tracking keys on it
     Counter(ev["type"] for ev in batch.events)  # the summary counts events by type
     assert all(type(ev["type"]) is str for ev in batch.events)
-    tracker = SeqTracker(Summary(), None)
-    tracker.check(batch)
-    tracker.check(batch)  # a second time: the duplicate path
-    StateSeqTracker().observe(batch)
+    tracker = SequenceTracker()
+    tracker.observe(batch)
+    tracker.observe(batch)  # a second time: the duplicate path
     stats = StatsCollector()
     stats.feed(batch)
     stats.result()
@@ -249,8 +247,7 @@ def test_any_envelope_on_the_zmq_event_plane(envelope, publisher_id, sequence):
     assert batch.frames == frames
     assert (batch.error is None) != (batch.error is not None and batch.events == [])
     hash(batch.publisher)
-    SeqTracker(Summary(), None).check(batch)
-    StateSeqTracker().observe(batch)
+    SequenceTracker().observe(batch)
     assert_printable_and_recordable(batch)
 
 

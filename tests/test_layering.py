@@ -132,7 +132,6 @@ def test_a_command_imports_no_other_command():
             assert not others, f"{module} imports {sorted(others)}"
 
 
-@pytest.mark.xfail(reason="#11: the type errors are being fixed", strict=False)
 def test_mypy_finds_nothing():
     pytest.importorskip("mypy", reason="mypy comes with the test extra")
     result = subprocess.run(

@@ -18,7 +18,7 @@ from kvctl.events import Batch
 from kvctl.formats import decode_zmq
 from kvctl.formats.dynamo import encode_envelope, encode_event_plane, router_event
 from kvctl.formats.engine_zmq import encode_frames, encode_payload
-from kvctl.output import PrettySink, StderrDiagnostics
+from kvctl.output import Output, PrettySink
 from kvctl.recording.reader import open_recording
 from kvctl.recording.writer import RecordingWriter
 
@@ -135,7 +135,7 @@ def test_any_text_value_is_shown_literally(lora, medium, extra, source, topic, w
     text = out.getvalue()
     for value in (lora, medium, f"note={extra}", source, f"topic={topic}", f"worker={worker}"):
         assert value in text, (value, text)
-    diagnostics = StderrDiagnostics()
+    diagnostics = Output()
     diagnostics.console.file = err = io.StringIO()
     diagnostics.malformed(
         Batch(source=source, events=[], format="unknown", error=error, frames=[b"x"])

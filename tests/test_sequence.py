@@ -6,7 +6,6 @@ import ast
 import json
 import re
 
-import pytest
 from conftest import REPO, finish, removed, start_kvctl
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -302,7 +301,6 @@ def test_tap_check_and_stats_give_one_verdict(engine):
     } == VERDICT
 
 
-@pytest.mark.xfail(strict=True, reason="the pipeline switches to kvctl.sequence on wt-pipe")
 def test_tap_counts_with_the_one_tracker():
     # tap and record count in kvctl.pipeline: the verdict above is one verdict by construction
     # only once the pipeline has no sequence rules of its own.

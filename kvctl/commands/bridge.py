@@ -9,15 +9,24 @@ import click
 
 from ..help import KvctlCommand
 from ..options import (
-    connection_kwargs,
+    Sources,
     filter_options,
     limit_options,
     report_options,
     source_arguments,
 )
-from ..publishing import linger, make_report, open_target, print_report, with_target_options
+from ..output import Output
+from ..publishing import (
+    Sending,
+    linger,
+    make_report,
+    open_target,
+    print_report,
+    wait_subscribers,
+    with_target_options,
+)
 from ..redact import redact_url, shown_sources
-from ..text import plural
+from ..selection import Filters, Limits
 
 
 @click.command("bridge", cls=KvctlCommand)
@@ -26,7 +35,9 @@ from ..text import plural
 @filter_options
 @limit_options
 @report_options
-def command(**params: Any) -> None:
+def command(
+    sources: Sources, selection: Filters, limits: Limits, out: Output, **params: Any
+) -> None:
     """Forward live streams to a target as they arrive: engine ZMQ -> Dynamo on NATS (what
     Dynamo's ZMQ relay does in-process), old vLLM arrays -> the new map form, NATS -> ZMQ.
 
@@ -36,67 +47,49 @@ def command(**params: Any) -> None:
       kvctl bridge 0=tcp://10.0.0.1:5557 --to tcp://127.0.0.1:6557 --format vllm
       kvctl bridge nats://127.0.0.1:4222 --to tcp://127.0.0.1:5557 --port-per-worker
     """
-    from ..output import StderrDiagnostics
-    from ..pipeline import Schedule, Summary, run
-    from ..session import Interrupted, make_filters, make_limits, open_source
+    from ..pacing import Schedule
+    from ..pipeline import Summary, run
+    from ..session import on_interrupt, open_source
     from ..targets import Sender
 
-    diagnostics = StderrDiagnostics(quiet=params["quiet"])
-    target = open_target(params, diagnostics)
+    assert sources.connection is not None  # live sources: the source options build it
+    target = open_target(params, sources.connection.nats, out)
     source = None
     summary = Summary()
     sender = Sender(target, params["encoding"])
     started, cpu_start = time.perf_counter(), time.process_time()
-    interrupted = False
+
+    def send_report() -> None:
+        on_interrupt(None)
+        elapsed = time.perf_counter() - started
+        report = make_report(sender, elapsed, Schedule(None), time.process_time() - cpu_start)
+        report["received"] = summary.to_json()
+        print_report(report, out)
+        out.say("kvctl: received " + summary.line(), "dim")
+
+    def interrupted() -> str:
+        send_report()
+        return "interrupted"
+
     try:
-        if params["wait_subscribers"]:  # downstream first: nothing read is sent into the void
-            waiting = plural(params["wait_subscribers"], "subscriber")
-            diagnostics.say(f"kvctl: waiting for {waiting}", "dim")
-            while not target.wait_subscribers(params["wait_subscribers"], 0.2):
-                pass
-        source = open_source(params["sources"], **connection_kwargs(params))
-        diagnostics.say(
-            f"kvctl: bridging {shown_sources(params['sources'])} -> {redact_url(params['to'])}",
+        wait_subscribers(target, params["wait_subscribers"], out)
+        source = open_source(sources, out)
+        out.say(
+            f"kvctl: bridging {shown_sources(sources.addresses)} -> {redact_url(params['to'])}",
             "dim",
         )
         run(
             source,
-            sender,
-            make_limits(params),
-            make_filters(params),
-            _Forwarding(diagnostics, sender),
+            [out, Sending(sender)],
+            limits,
+            selection,
             summary=summary,
         )
         linger(target, params["linger"])
-    except KeyboardInterrupt:
-        interrupted = True
     finally:
         if source is not None:
             source.close()
         target.close()
-    schedule = Schedule(None)
-    report = make_report(
-        sender, time.perf_counter() - started, schedule, time.process_time() - cpu_start
-    )
-    report["received"] = summary.to_json()
-    print_report(report, params, diagnostics)
-    diagnostics.say("kvctl: received " + summary.line(), "dim")
-    if interrupted:
-        raise Interrupted("interrupted", params["quiet"])
-
-
-class _Forwarding:
-    """Diagnostics that also forward malformed messages byte for byte when the target is raw."""
-
-    def __init__(self, shown: Any, sender: Any) -> None:
-        self.shown, self.sender = shown, sender
-
-    def malformed(self, batch: Any) -> None:
-        self.shown.malformed(batch)
-        self.sender.write_raw(batch)
-
-    def gap(self, *args: Any) -> None:
-        self.shown.gap(*args)
-
-    def sequence(self, *args: Any) -> None:
-        self.shown.sequence(*args)
+        # Ctrl-C stopped the bridge (not its closing): the report of what was forwarded
+        on_interrupt(interrupted, out.quiet)
+    send_report()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import click
 
 from ..help import KvctlCommand
-from ..options import filter_options, limit_options, output_options
+from ..options import Sources, filter_options, limit_options, output_options
+from ..output import Output
+from ..selection import Filters, Limits
 from ..session import stream
 
 
@@ -16,7 +18,12 @@ from ..session import stream
 @filter_options
 @limit_options
 @output_options
-def command(**params: object) -> None:
+def command(
+    sources: tuple[str, ...],
+    selection: Filters,
+    limits: Limits,
+    out: Output,
+) -> None:
     """Print the events of recordings (files, segment directories or journals) in recorded
     order, with tap's formatter, filters and stop conditions.
 
@@ -26,4 +33,4 @@ def command(**params: object) -> None:
       kvctl cat run.parquet --json --hash-format string --type BlockRemoved | jq .block_hashes
       kvctl cat segments/ -c 20 --worker 3
     """
-    stream(params)
+    stream(Sources(sources), selection, limits, out)

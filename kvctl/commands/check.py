@@ -13,10 +13,11 @@ from ..checks import ERROR, INFO, RULES, WARNING, Checker, Finding, Report
 from ..errors import ExitCode
 from ..events import Batch
 from ..help import KvctlCommand
-from ..options import filter_options, limit_options, source_arguments
+from ..options import Sources, filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..redact import shown_sources
-from ..session import Interrupted, live_addresses, read
+from ..selection import Filters, Limits
+from ..session import live_addresses, on_interrupt, read
 from ..text import console, plural
 
 _SEVERITY_STYLE = {ERROR: "red", WARNING: "yellow", INFO: "cyan"}
@@ -128,7 +129,7 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
     help="The report as one JSON object on stdout (live findings stay on stderr).",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No live findings or summary on stderr.")
-def command(**params: Any) -> None:
+def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Check KV-event streams for what breaks KV-aware routing.
 
     Reads SOURCEs like tap (ZMQ endpoints, NATS servers, or a recording) until a stop
@@ -149,10 +150,10 @@ def command(**params: Any) -> None:
           --idle-timeout 30 --json > report.json
       kvctl check nats://127.0.0.1:4222 --num-blocks 8192 --fail-on warning -c 100000
     """
-    from ..output import StderrDiagnostics
+    from ..output import Output
 
     quiet = params["quiet"]
-    diagnostics = StderrDiagnostics(quiet=quiet)  # literal text: names and types are data
+    diagnostics = Output(as_json=params["as_json"], quiet=quiet)
     max_examples = params["max_examples"]
     checker = Checker(
         block_size=params["block_size"],
@@ -180,7 +181,7 @@ def command(**params: Any) -> None:
         if found:
             say(found)
 
-    idle = params["idle_timeout"]
+    idle = limits.idle_timeout
     started = time.monotonic()
     silent_checked = False
 
@@ -196,37 +197,41 @@ def command(**params: Any) -> None:
     def on_open(source: Any) -> None:
         nonlocal started
         started = time.monotonic()  # --idle-timeout counts from the start, like the pipeline's
-        addresses.extend(live_addresses(source, params["sources"]))
-        diagnostics.say(f"kvctl: checking {shown_sources(params['sources'])}", "dim")
+        addresses.extend(live_addresses(source, sources))
+        diagnostics.say(f"kvctl: checking {shown_sources(sources.addresses)}", "dim")
 
-    interrupted = False
-    try:
-        summary = read(params, consume, tick, on_open)
-    except KeyboardInterrupt as exc:
-        summary = getattr(exc, "summary", Summary(stopped_by="interrupt"))
-        interrupted = True
-    say(checker.check_silent(addresses))
-    report = checker.finish(addresses)
-    fail = failed(report, params["fail_on"])
-    code = ExitCode.INTERRUPTED if interrupted else ExitCode.FINDINGS if fail else ExitCode.OK
-    if params["as_json"]:
-        from ..output import dumps
+    summary = Summary()
 
-        click.echo(
-            dumps(
+    def report(interrupted: bool) -> bool:
+        """Print the report (a Ctrl-C still gets it); whether the check failed."""
+        on_interrupt(None)
+        if interrupted:
+            summary.stopped_by = "interrupt"
+        say(checker.check_silent(addresses))
+        found = checker.finish(addresses)
+        fail = failed(found, params["fail_on"])
+        code = ExitCode.INTERRUPTED if interrupted else ExitCode.FINDINGS if fail else ExitCode.OK
+        if params["as_json"]:
+            diagnostics.json(
                 {
-                    **report.to_json(),
+                    **found.to_json(),
                     "failed": fail,
                     "fail_on": params["fail_on"],
                     "exit_code": int(code),
                     "stream": summary.to_json(),
                 }
             )
-        )
-    else:
-        print_report(report, summary, fail, console(soft_wrap=True))
-    if interrupted:
-        raise Interrupted(summary.line(), params["quiet"])
+        else:
+            print_report(found, summary, fail, console(soft_wrap=True))
+        return fail
+
+    def interrupted() -> str:
+        report(interrupted=True)
+        return summary.line()
+
+    on_interrupt(interrupted, quiet)
+    read(sources, selection, limits, diagnostics, summary, consume, tick, on_open)
+    fail = report(interrupted=False)
     diagnostics.say(f"kvctl: {summary.line()}", "dim")
     if fail:
         raise click.exceptions.Exit(int(ExitCode.FINDINGS))

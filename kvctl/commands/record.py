@@ -7,16 +7,20 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
 
+from ..events import Batch, Event
 from ..help import KvctlCommand
-from ..options import connection_kwargs, filter_options, limit_options, source_arguments
+from ..options import Sources, filter_options, limit_options, source_arguments
+from ..pipeline import Emptied, Gap, Item, Malformed, Narrowed
+from ..selection import Filters, Limits
 from ..text import plural
 
-_SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_TIME_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_SIZE_UNITS: dict[str, float] = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_TIME_UNITS: dict[str, float] = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def _parse(value: str | None, units: dict[str, float], what: str) -> float | None:
@@ -71,7 +75,7 @@ def _parse(value: str | None, units: dict[str, float], what: str) -> float | Non
     "--json", "as_json", is_flag=True, help="Print the final summary as one JSON object on stdout."
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress line, diagnostics or summary.")
-def command(**params: Any) -> None:
+def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Record KV-event streams to Parquet, one row per event, raw bytes kept.
 
     Takes the same SOURCEs and options as tap. Malformed messages and sequence gaps are
@@ -86,13 +90,13 @@ def command(**params: Any) -> None:
       duckdb -c "SELECT type, count(*) FROM 'run.parquet' GROUP BY 1"
     """
     from ..errors import TransportError, UsageError
-    from ..output import StderrDiagnostics, dumps
+    from ..output import Output
     from ..pipeline import LiveSource, Summary, run
     from ..recording.disk import OutputExists
-    from ..recording.layout import leftover_journals, output_conflict
+    from ..recording.layout import output_conflict
     from ..recording.writer import RecordingWriter
     from ..redact import redact_argv, redact_url, shown_sources
-    from ..session import Interrupted, make_filters, make_limits, open_source
+    from ..session import on_interrupt, open_source
 
     rotate_size = _parse(params["rotate_size"], _SIZE_UNITS, "size (e.g. 512M)")
     rotate_every = _parse(params["rotate_every"], _TIME_UNITS, "time interval (e.g. 5m)")
@@ -111,21 +115,20 @@ def command(**params: Any) -> None:
     if conflict is not None:  # before any source is opened: nothing of the user's is touched
         raise UsageError(conflict)
     _check_writable(params["output"])
-    diagnostics = StderrDiagnostics(quiet=params["quiet"])
-    source = open_source(params["sources"], **connection_kwargs(params))
-    filters = make_filters(params)
+    diagnostics = Output(as_json=params["as_json"], quiet=params["quiet"])
+    source = open_source(sources, diagnostics)
     try:
         writer = RecordingWriter(
             params["output"],
             rotate_size=int(rotate_size) if rotate_size else None,
             rotate_every=rotate_every,
             fsync=params["fsync"],
-            filters=filters,
-            labels=_labels(params["sources"]),
+            filters=selection,
+            labels=_labels(sources.addresses),
             overwrite=params["overwrite"],
             append=params["append"],
             metadata={
-                "sources": [redact_url(s) for s in params["sources"]],
+                "sources": [redact_url(s) for s in sources.addresses],
                 "command": redact_argv(sys.argv[1:]),
             },
         )
@@ -137,31 +140,34 @@ def command(**params: Any) -> None:
         raise TransportError(f"{params['output']}: cannot write: {exc.strerror or exc}") from None
     summary = Summary()
     progress = None
-    interrupted = False
     write_error: OSError | None = None
+    result: dict[str, Any] = {}
+
+    def closing_words(interrupted: bool) -> str:
+        """After the writer is closed: a write error, else the report; the summary line."""
+        on_interrupt(None)
+        if interrupted:
+            summary.stopped_by = "interrupt"
+        if write_error is not None:  # what was flushed is recoverable; say how much that is
+            raise _write_error(write_error, writer, summary, params["output"])
+        if params["as_json"]:
+            diagnostics.json({"summary": summary.to_json(), "recording": result})
+        return (
+            f"recorded {summary.line()} -> {params['output']} "
+            f"({plural(result.get('bytes', 0), 'byte', thousands=True)})"
+        )
+
     try:  # from here on, whatever happens, the writer is closed and the recording readable
         diagnostics.say(
-            f"kvctl: recording {shown_sources(params['sources'])} -> {params['output']}", "dim"
+            f"kvctl: recording {shown_sources(sources.addresses)} -> {params['output']}", "dim"
         )
         # Live batches are journalled raw (frames + labels) and decoded again by the
         # converter; batches read back from recordings are journalled exactly.
-        sink = RecordingSink(writer, diagnostics, raw=isinstance(source, LiveSource))
+        sink = RecordingSink(writer, raw=isinstance(source, LiveSource))
         progress = None if params["quiet"] else _progress(writer, summary)
-        if filters.types or filters.workers:
-            sink.filtering()
-        run(
-            source,
-            sink,
-            make_limits(params),
-            filters,
-            sink,
-            summary=summary,
-            on_batch=sink.on_batch if filters.types or filters.workers else sink.on_empty,
-        )
-        sink.close()
-    except KeyboardInterrupt:
-        summary.stopped_by = "interrupt"
-        interrupted = True
+        # the diagnostics after the sink: a malformed message is in the journal before its
+        # line is shown (a line that is redacted: no password is echoed)
+        run(source, [sink, diagnostics], limits, selection, summary=summary)
     except OSError as exc:  # disk full, file system gone: reported below, after closing
         summary.stopped_by = "write error"
         write_error = exc
@@ -173,36 +179,33 @@ def command(**params: Any) -> None:
             result = writer.close()
         except OSError as exc:
             write_error = exc
-    if write_error is not None:  # what was flushed is recoverable; say how much that is
-        elsewhere = " -o NEW.parquet" if isinstance(write_error, OutputExists) else ""
-        journalled = writer.counts["batches"]
-        kept = (
-            f"; {journalled:,} of {plural(summary.batches, 'received batch', thousands=True)}"
-            f" reached the journal"
-            if summary.batches > journalled
-            else ""
-        )
-        hint = (
-            f"; `kvctl recover {params['output']}{elsewhere}` restores what was flushed"
-            if leftover_journals(params["output"])
-            else ""
-        )
-        why = (
-            str(write_error)
-            if isinstance(write_error, OutputExists)
-            else write_error.strerror or write_error
-        )
-        raise TransportError(f"{params['output']}: cannot write: {why}{kept}{hint}")
-    report = {"summary": summary.to_json(), "recording": result}
-    if params["as_json"]:
-        click.echo(dumps(report))
-    line = (
-        f"kvctl: recorded {summary.line()} -> {params['output']} "
-        f"({plural(result.get('bytes', 0), 'byte', thousands=True)})"
+        # Ctrl-C stopped the recording (not its closing, which a second one would cut
+        # short): the recording is closed, report it
+        on_interrupt(lambda: closing_words(interrupted=True), params["quiet"])
+    diagnostics.say("kvctl: " + closing_words(interrupted=False), "dim")
+
+
+def _write_error(error: OSError, writer: Any, summary: Any, output: str) -> Exception:
+    """What a failed write says: why, how much reached the journal, how to recover it."""
+    from ..errors import TransportError
+    from ..recording.disk import OutputExists
+    from ..recording.layout import leftover_journals
+
+    elsewhere = " -o NEW.parquet" if isinstance(error, OutputExists) else ""
+    journalled = writer.counts["batches"]
+    kept = (
+        f"; {journalled:,} of {plural(summary.batches, 'received batch', thousands=True)}"
+        f" reached the journal"
+        if summary.batches > journalled
+        else ""
     )
-    if interrupted:
-        raise Interrupted(line.removeprefix("kvctl: "), params["quiet"])
-    diagnostics.say(line, "dim")
+    hint = (
+        f"; `kvctl recover {output}{elsewhere}` restores what was flushed"
+        if leftover_journals(output)
+        else ""
+    )
+    why = str(error) if isinstance(error, OutputExists) else error.strerror or error
+    return TransportError(f"{output}: cannot write: {why}{kept}{hint}")
 
 
 def _check_writable(output: str) -> None:
@@ -227,52 +230,39 @@ def _labels(sources: Any) -> dict[str, tuple[Any, Any]] | None:
 
 
 class RecordingSink:
-    """Writes what passes the filters, and — as the pipeline's diagnostics — also keeps every
-    malformed message and every sequence gap, while still showing them on stderr.
+    """Records what passes the filters, and also every batch they emptied (without events,
+    so that its seq stays in the recording: readers would otherwise see a gap where there was
+    none), every malformed message and every sequence gap.
 
     ``raw=True`` (batches straight from the decoders, i.e. a live source): the writer
     journals the message (frames, labels, how many events the filters/limits kept) and the
-    conversion decodes it again; ``write`` is then the writer's own hot-path method."""
+    conversion decodes it again; otherwise batches are journalled exactly."""
 
-    def __init__(self, writer: Any, shown: Any, raw: bool = True) -> None:
+    def __init__(self, writer: Any, raw: bool = True) -> None:
         self.writer = writer
-        self.shown = shown
         self.raw = raw
-        self.pending: Any = None
         self.malformed_seqs: dict[Any, set[int]] = {}  # since the publisher's last gap
-        self._record = writer.write_message if raw else self._record_exact
-        if raw:
-            self.write = writer.write_message  # type: ignore[method-assign]
+        self._record: Callable[[Batch], None] = writer.write_message if raw else writer.write
 
-    def _record_exact(self, batch: Any, events: list) -> None:
-        if events is not batch.events:
-            batch = dataclasses.replace(batch, events=events)
-        self.writer.write(batch)
+    def handle(self, item: Item) -> None:
+        if type(item) is Batch:  # the hot path
+            self._record(item)
+        elif isinstance(item, Narrowed):
+            self._record_some(item.batch, item.events)
+        elif isinstance(item, Emptied):
+            self._record_some(item.batch, [])
+        elif isinstance(item, Malformed):
+            self.malformed(item.batch)
+        elif isinstance(item, Gap):
+            self.gap(item)
 
-    def write(self, batch: Any, events: list) -> None:
-        self.pending = None
-        self._record(batch, events)
+    def _record_some(self, batch: Batch, events: list[Event]) -> None:
+        if self.raw:
+            self.writer.write_message(batch, events)
+        else:
+            self.writer.write(dataclasses.replace(batch, events=events))
 
-    def on_batch(self, batch: Any) -> None:
-        """With filters: a batch they emptied is recorded without events, so that its seq
-        stays in the recording (readers would otherwise see a gap where there was none)."""
-        if self.pending is not None:
-            self._record(self.pending, [])
-        self.pending = batch if batch.error is None else None
-
-    def on_empty(self, batch: Any) -> None:
-        """Without filters: a batch without events (``[ts, [], 0]``, an empty Dynamo
-        envelope) is never written by the pipeline, yet it was received and its seq counted:
-        record it, so that reading back shows no gap where there was none."""
-        if not batch.events and batch.error is None:
-            self._record(batch, [])
-
-    def filtering(self) -> RecordingSink:
-        """Route writes through :meth:`write` so that :meth:`on_batch` sees them."""
-        self.__dict__.pop("write", None)
-        return self
-
-    def malformed(self, batch: Any) -> None:
+    def malformed(self, batch: Batch) -> None:
         if type(batch.seq) is int:
             seqs = self.malformed_seqs.setdefault(batch.publisher, set())
             seqs.add(batch.seq)
@@ -280,33 +270,21 @@ class RecordingSink:
                 keep = sorted(seqs)[-2048:]
                 seqs.clear()
                 seqs.update(keep)
-        if self.raw:
-            self.writer.write_message(batch)
-        else:
-            self.writer.write(batch)
-        self.shown.malformed(batch)  # its lines are redacted: no password is echoed
+        self._record(batch)
 
-    def gap(self, publisher: Any, expected: int, got: int, recovered: list[int]) -> None:
+    def gap(self, gap: Gap) -> None:
         """One Gap row per run of seqs the replay socket could not fill. A batch that arrives
         later still is recorded too (the reader then sees it as a late arrival)."""
-        arrived = {s for s in recovered if expected <= s < got}
-        malformed = self.malformed_seqs.pop(publisher, set())
+        expected, got = gap.first, gap.end
+        arrived = {s for s in gap.recovered if expected <= s < got}
+        malformed = self.malformed_seqs.pop(gap.publisher, set())
         # A malformed message's seq arrived (its row is Malformed): not also a Gap row.
         arrived.update(s for s in malformed if expected <= s < got)
         start = expected
         for seq in [*sorted(arrived), got]:
             if seq > start:
-                self.writer.write_gap(publisher, start, seq - 1, source=str(publisher))
+                self.writer.write_gap(gap.publisher, start, seq - 1, source=str(gap.publisher))
             start = seq + 1
-        self.shown.gap(publisher, expected, got, recovered)
-
-    def sequence(self, publisher: Any, kind: str, expected: int, got: int) -> None:
-        self.shown.sequence(publisher, kind, expected, got)
-
-    def close(self) -> None:
-        if self.pending is not None:
-            self._record(self.pending, [])
-            self.pending = None
 
 
 class _Status:

@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..help import KvctlCommand
 from ..options import filter_options, nats_auth_options, report_options
-from ..publishing import linger, make_report, open_target, print_report, with_target_options
-from ..text import plural
+from ..output import Output
+from ..pacing import Window
+from ..publishing import (
+    Sending,
+    linger,
+    make_report,
+    open_target,
+    print_report,
+    wait_subscribers,
+    with_target_options,
+)
+from ..selection import Filters
+
+if TYPE_CHECKING:
+    from ..transports.nats import NatsOptions
 
 
-def parse_window(value: str | None) -> tuple[str, float] | None:
+def parse_window(value: str | None) -> Window | None:
     """``--start/--end``: seconds from the recording's start, or ``seq:N``."""
     if value is None:
         return None
@@ -68,7 +81,7 @@ def parse_window(value: str | None) -> tuple[str, float] | None:
 @filter_options
 @click.option("-c", "--count", type=click.IntRange(min=1), metavar="N", help="Stop after N events.")
 @report_options
-def command(**params: Any) -> None:
+def command(selection: Filters, nats: NatsOptions, out: Output, **params: Any) -> None:
     """Replay recordings into an engine (ZMQ PUB that binds) or a router (Dynamo on NATS),
     in any producer's format, at the recorded pace, scaled, or at a fixed rate.
 
@@ -82,96 +95,70 @@ def command(**params: Any) -> None:
       kvctl replay run.parquet --to nats://127.0.0.1:4222 --format dynamo --rate 1000
       kvctl replay run.parquet --to tcp://127.0.0.1:5557 --topspeed --loop 5 --unique-hashes
     """
-    from ..output import StderrDiagnostics
-    from ..pipeline import Schedule
+    from ..pacing import PacedSource, Schedule
+    from ..pipeline import run
     from ..recording.source import RecordingSource
-    from ..session import Interrupted, make_filters
+    from ..selection import Limits
+    from ..session import on_interrupt
     from ..targets import Sender
 
     if params["encoding"] == "raw" and (
-        params["unique_hashes"] or params["types"] or params["workers"] or params["count"]
+        params["unique_hashes"] or selection.types or selection.workers or params["count"]
     ):
         raise click.UsageError(
             "--format raw sends recorded bytes unchanged: it cannot be "
             "combined with filters, -c or --unique-hashes"
         )
     start, end = parse_window(params["start"]), parse_window(params["end"])
-    diagnostics = StderrDiagnostics(quiet=params["quiet"])
-    filters = make_filters(params)
     # paced sends must not stall while the next chunk is decoded (256 rows: ~3 ms stalls)
-    source = RecordingSource(
+    recording = RecordingSource(
         list(params["recordings"]), chunk_rows=4096 if params["topspeed"] else 256
     )
-    target = open_target(params, diagnostics)
+    target = open_target(params, nats, out)
     speed = None if params["topspeed"] or params["rate"] else params["speed"]
     schedule = Schedule(None if params["topspeed"] else (1.0 if params["rate"] else speed))
     sender = Sender(target, params["encoding"])
-    cpu_start = time.process_time()
-    remaining = params["count"]
-    interrupted = False
-    progress = _Progress(diagnostics, params, sender)
-    offset = 0.0
+    progress = _Progress(out, params, sender)
+    elapsed = 0.0
+
+    def send_report() -> None:
+        on_interrupt(None)
+        cpu_s = time.process_time() - source.cpu_start
+        print_report(make_report(sender, elapsed, schedule, cpu_s), out)
+
+    def interrupted() -> str:
+        send_report()
+        return "interrupted"
+
+    def next_loop(loop: int) -> None:
+        sender.salt = _salt(loop) if params["unique_hashes"] else 0
+
+    source = PacedSource(
+        recording,
+        schedule,
+        rate=params["rate"],
+        max_gap=params["max_gap"],
+        loops=params["loop"],
+        start=start,
+        end=end,
+        on_loop=next_loop,
+        on_read=progress.advance,
+    )
     try:
         if params["port_per_worker"] and hasattr(target, "open_for"):
-            target.open_for(b for b in source.batches() if b.error is None)
-        if params["wait_subscribers"]:
-            waiting = plural(params["wait_subscribers"], "subscriber")
-            diagnostics.say(f"kvctl: waiting for {waiting}", "dim")
-            while not target.wait_subscribers(params["wait_subscribers"], 0.2):
-                pass
-        loop = 0
-        while params["loop"] == 0 or loop < params["loop"]:
-            sender.salt = _salt(loop) if params["unique_hashes"] else 0
-            previous_ns = None
-            first: dict[str, float] = {}
-            for batch in source.batches():
-                progress.advance()
-                when = (batch.recv_ns or int((batch.ts or 0) * 1e9)) / 1e9
-                if not first:
-                    first["time"] = when
-                    if loop == 0:  # the schedule starts when the first batch is at hand
-                        schedule.start = time.perf_counter()
-                        cpu_start = time.process_time()
-                if not _in_window(batch, when - first["time"], start, end):
-                    if end is not None and end[0] == "time" and when - first["time"] > end[1]:
-                        break  # seq windows cannot stop early: seqs count per publisher
-                    continue
-                if params["rate"]:
-                    offset += 1.0 / params["rate"]
-                elif previous_ns is not None:
-                    gap = max(0.0, when - previous_ns)
-                    if params["max_gap"] is not None:
-                        gap = min(gap, params["max_gap"] * (speed or 1.0))
-                    offset += gap
-                previous_ns = when
-                schedule.wait(offset)
-                if batch.error is not None:
-                    sender.write_raw(batch)
-                    continue
-                events = filters.apply(batch)
-                if not events and (params["encoding"] != "raw" or batch.events):
-                    continue  # raw sends every message, one without events too
-                if remaining is not None:
-                    if len(events) > remaining:
-                        events = events[:remaining]
-                    remaining -= len(events)
-                sender.write(batch, events)
-                if remaining == 0:
-                    break
-            loop += 1
-            if remaining == 0:
-                break
+            target.open_for(b for b in recording.batches() if b is not None and b.error is None)
+        wait_subscribers(target, params["wait_subscribers"], out)
+        # raw sends every message, one without events too
+        sending = Sending(sender, send_empty=params["encoding"] == "raw")
+        run(source, [sending], Limits(count=params["count"]), selection)
         linger(target, params["linger"])
-    except KeyboardInterrupt:
-        interrupted = True
     finally:
         progress.stop()
         elapsed = time.perf_counter() - schedule.start
         target.close()
-    report = make_report(sender, elapsed, schedule, time.process_time() - cpu_start)
-    print_report(report, params, diagnostics)
-    if interrupted:
-        raise Interrupted("interrupted", params["quiet"])
+        # Ctrl-C stopped the replay (not its closing): the report of what was sent
+        on_interrupt(interrupted, out.quiet)
+    send_report()
 
 
 def _salt(loop: int) -> int:
@@ -180,24 +167,14 @@ def _salt(loop: int) -> int:
     return 0 if loop == 0 else xxhash.xxh3_64_intdigest(b"kvctl-loop-%d" % loop)
 
 
-def _in_window(batch: Any, offset: float, start: Any, end: Any) -> bool:
-    for bound, ok in ((start, lambda v, b: v >= b), (end, lambda v, b: v <= b)):
-        if bound is None:
-            continue
-        value = offset if bound[0] == "time" else batch.seq
-        if value is None or not ok(value, bound[1]):
-            return False
-    return True
-
-
 class _Progress:
     """A progress bar on stderr while sending (terminals only): batches read of the
     recording's total (all loops), percent, ETA and the send rate. The total comes from the
     recording's footer (or manifest); without one (a journal) the bar shows the count alone."""
 
-    def __init__(self, diagnostics: Any, params: dict[str, Any], sender: Any) -> None:
+    def __init__(self, out: Any, params: dict[str, Any], sender: Any) -> None:
         self.bar: Any = None
-        if diagnostics.quiet or not diagnostics.console.is_terminal:
+        if out.quiet or not out.console.is_terminal:
             return
         from rich.progress import (
             BarColumn,
@@ -218,7 +195,7 @@ class _Progress:
             TextColumn("ETA"),
             TimeRemainingColumn(),
             TextColumn("{task.fields[rate]}"),
-            console=diagnostics.console,
+            console=out.console,
             transient=True,
         )
         self.task = self.bar.add_task("replaying", total=total, rate="")

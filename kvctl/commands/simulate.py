@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..formats import format_names
 from ..help import KvctlCommand
-from ..options import nats_auth_options, nats_options, report_options
+from ..options import nats_auth_options, report_options
 from ..text import plural
+
+if TYPE_CHECKING:
+    from ..output import Output
+    from ..transports.nats import NatsOptions
 
 
 @click.command("simulate", cls=KvctlCommand)
@@ -169,7 +173,7 @@ from ..text import plural
 )
 @nats_auth_options
 @report_options
-def command(**params: Any) -> None:
+def command(nats: NatsOptions, out: Output, **params: Any) -> None:
     """Run a synthetic engine fleet that publishes realistic KV-cache events.
 
     Each worker is a paged KV cache with prefix caching and LRU eviction fed by a workload of
@@ -189,19 +193,18 @@ def command(**params: Any) -> None:
     from ..engine.workload import TraceError
     from ..errors import UsageError
     from ..events import Batch
-    from ..output import StderrDiagnostics, dumps
-    from ..pipeline import Schedule
+    from ..output import dumps
+    from ..pacing import Schedule
     from ..publishing import say_delivery, stall_warning, transport_notice
     from ..recording.layout import output_conflict
     from ..redact import redact_argv, redact_url
-    from ..session import Interrupted
+    from ..session import on_interrupt
     from ..targets import RecordingTarget, open_target
 
     if params["output"]:  # before any work: nothing of the user's is replaced unasked
         conflict = output_conflict(params["output"], segmented=False, overwrite=params["overwrite"])
         if conflict is not None:
             raise UsageError(conflict)
-    diagnostics = StderrDiagnostics(quiet=params["quiet"])
     try:  # the whole trace is checked here, before any socket or file is opened
         fleet = Fleet(
             workers=params["workers"],
@@ -241,29 +244,35 @@ def command(**params: Any) -> None:
             namespace=params["namespace"],
             component=params["component"],
             endpoint=params["dynamo_endpoint"],
-            options=nats_options(params),
-            on_long_stall=stall_warning(diagnostics),
-            notify=transport_notice(diagnostics),
+            options=nats,
+            on_long_stall=stall_warning(out),
+            notify=transport_notice(out),
         )
     counts = {"batches": 0, "events": 0, "bytes": 0}
     started, cpu_started = time.monotonic(), time.process_time()
     display = None
-    interrupted = False
+
+    def interrupted() -> str:  # what was published so far, and who could have received it
+        on_interrupt(None)
+        if not out.as_json:
+            say_delivery(target.delivery(), counts["batches"], out)
+        return _summary_line(fleet, counts)
+
     try:
         if params["output"]:
-            diagnostics.say(
+            out.say(
                 f"kvctl: {plural(params['workers'], 'worker')} recording to {params['output']}",
                 "dim",
             )
         elif hasattr(target, "open_slots"):
             endpoints = target.open_slots(params["workers"])
-            diagnostics.say(
+            out.say(
                 f"kvctl: {plural(params['workers'], 'worker')} publishing on "
                 f"{endpoints[0]} .. {endpoints[-1]}",
                 "dim",
             )
         else:
-            diagnostics.say(
+            out.say(
                 f"kvctl: {plural(params['workers'], 'worker')} publishing to "
                 f"{redact_url(to)} "
                 f"({target.subject})",
@@ -271,7 +280,7 @@ def command(**params: Any) -> None:
             )
         if params["wait_subscribers"]:
             waiting = plural(params["wait_subscribers"], "subscriber")
-            diagnostics.say(f"kvctl: waiting for {waiting} on every worker", "dim")
+            out.say(f"kvctl: waiting for {waiting} on every worker", "dim")
             while not target.wait_subscribers(params["wait_subscribers"], 0.2):
                 pass
         if params["start_delay"]:
@@ -279,7 +288,7 @@ def command(**params: Any) -> None:
         epoch = params["epoch"] if params["epoch"] is not None else time.time()
         # an engine's step times jitter by more than a sleep overshoot: no spinning needed
         schedule = Schedule(None if params["topspeed"] else params["speedup"], spin_s=0.0)
-        display = _live_display(fleet, params, counts)
+        display = _live_display(fleet, out.quiet, counts)
         for t, worker, events in fleet.run():
             schedule.wait(t)
             batch = Batch(
@@ -297,17 +306,14 @@ def command(**params: Any) -> None:
             target.service()
             if display is not None:
                 display.tick()
-    except KeyboardInterrupt:
-        interrupted = True
     finally:
         if display is not None:
             display.stop()
         target.close()
+        # Ctrl-C stopped the simulation (not its closing): the target is closed, report it
+        on_interrupt(interrupted, out.quiet)
+    on_interrupt(None)
     delivery = target.delivery()
-    if interrupted:  # what was published so far, and who could have received it
-        if not params["as_json"]:
-            say_delivery(delivery, counts["batches"], diagnostics)
-        raise Interrupted(_summary_line(fleet, counts), params["quiet"])
     result = {
         **fleet.stats(),
         **counts,
@@ -315,11 +321,11 @@ def command(**params: Any) -> None:
         "cpu_s": round(time.process_time() - cpu_started, 3),
         "delivery": delivery,
     }
-    if params["as_json"]:
+    if out.as_json:
         click.echo(dumps(result))
     else:
-        _print_summary(fleet, counts, diagnostics)
-        say_delivery(delivery, counts["batches"], diagnostics)
+        _print_summary(fleet, counts, out)
+        say_delivery(delivery, counts["batches"], out)
 
 
 def _summary_line(fleet: Any, counts: dict[str, int]) -> str:
@@ -380,13 +386,13 @@ def _worker_table(fleet: Any, title: str, rates: list[tuple[float, float]] | Non
     return table
 
 
-def _print_summary(fleet: Any, counts: dict[str, int], diagnostics: Any) -> None:
-    if diagnostics.quiet:
+def _print_summary(fleet: Any, counts: dict[str, int], out: Any) -> None:
+    if out.quiet:
         return
     from ..text import console
 
     console(stderr=True).print(_worker_table(fleet, "kvctl simulate: final state"))
-    diagnostics.say("kvctl: " + _summary_line(fleet, counts), "dim")
+    out.say("kvctl: " + _summary_line(fleet, counts), "dim")
 
 
 class _LiveTable:
@@ -430,10 +436,10 @@ class _LiveTable:
         self.live.stop()
 
 
-def _live_display(fleet: Any, params: dict[str, Any], counts: dict[str, int]) -> Any:
+def _live_display(fleet: Any, quiet: bool, counts: dict[str, int]) -> Any:
     from rich.console import Console
 
     console = Console(stderr=True)
-    if params["quiet"] or not console.is_terminal:
+    if quiet or not console.is_terminal:
         return None
     return _LiveTable(fleet, console, counts)

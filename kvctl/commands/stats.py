@@ -8,10 +8,11 @@ import click
 
 from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from ..help import KvctlCommand
-from ..options import filter_options, limit_options, source_arguments
+from ..options import Sources, filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..redact import shown_sources
-from ..session import Interrupted, read
+from ..selection import Filters, Limits
+from ..session import on_interrupt, read
 from ..text import plural
 
 
@@ -218,7 +219,7 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or summary on stderr.")
-def command(**params: Any) -> None:
+def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Summarise KV-event streams: per worker and overall.
 
     Reads SOURCEs like tap (ZMQ endpoints, NATS servers, or a recording) until a stop
@@ -240,7 +241,7 @@ def command(**params: Any) -> None:
       kvctl stats run.parquet --num-blocks 4096 --plot charts/
       kvctl stats nats://127.0.0.1:4222 -c 100000 --json | jq .reuse
     """
-    from ..output import StderrDiagnostics
+    from ..output import Output
     from ..stats import StatsCollector
 
     if params["plot_dir"]:
@@ -248,30 +249,33 @@ def command(**params: Any) -> None:
 
         require_matplotlib()  # before a capture that may take minutes
     quiet = params["quiet"]
-    diagnostics = StderrDiagnostics(quiet=quiet)  # literal text: names and types are data
+    diagnostics = Output(as_json=params["as_json"], quiet=quiet)
     collector = StatsCollector(bucket_s=params["interval"])
 
     def on_open(source: Any) -> None:
-        diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
+        diagnostics.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
 
-    interrupted = False
-    try:
-        summary = read(params, collector.feed, on_open=on_open)
-    except KeyboardInterrupt as exc:
-        summary = getattr(exc, "summary", Summary(stopped_by="interrupt"))
-        interrupted = True
-    result = collector.result()
-    if params["as_json"]:
-        from ..output import dumps
+    summary = Summary()
 
-        click.echo(dumps({**result, "stream": summary.to_json()}))
-    else:
-        print_stats(result, summary, wide_console())
-    if params["plot_dir"]:
-        from ..plots import write_plots
+    def report() -> None:
+        on_interrupt(None)
+        result = collector.result()
+        if params["as_json"]:
+            diagnostics.json({**result, "stream": summary.to_json()})
+        else:
+            print_stats(result, summary, wide_console())
+        if params["plot_dir"]:
+            from ..plots import write_plots
 
-        written = write_plots(result, params["plot_dir"], capacity=params["num_blocks"])
-        diagnostics.say(f"kvctl: wrote {', '.join(str(p) for p in written)}", "dim")
-    if interrupted:
-        raise Interrupted(summary.line(), params["quiet"])
+            written = write_plots(result, params["plot_dir"], capacity=params["num_blocks"])
+            diagnostics.say(f"kvctl: wrote {', '.join(str(p) for p in written)}", "dim")
+
+    def interrupted() -> str:  # what was read so far is reported, then exit 130
+        summary.stopped_by = "interrupt"
+        report()
+        return summary.line()
+
+    on_interrupt(interrupted, quiet)
+    read(sources, selection, limits, diagnostics, summary, collector.feed, on_open=on_open)
+    report()
     diagnostics.say(f"kvctl: {summary.line()}", "dim")

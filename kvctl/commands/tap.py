@@ -5,13 +5,9 @@ from __future__ import annotations
 import click
 
 from ..help import KvctlCommand
-from ..options import (
-    connection_kwargs,
-    filter_options,
-    limit_options,
-    output_options,
-    source_arguments,
-)
+from ..options import Sources, filter_options, limit_options, output_options, source_arguments
+from ..output import Output
+from ..selection import Filters, Limits
 from ..session import stream
 
 
@@ -21,7 +17,13 @@ from ..session import stream
 @limit_options
 @output_options
 @click.option("--strict", is_flag=True, help="Exit 1 at the first malformed message.")
-def command(**params: object) -> None:
+def command(
+    sources: Sources,
+    selection: Filters,
+    limits: Limits,
+    out: Output,
+    strict: bool,
+) -> None:
     """Subscribe to KV-event streams and print every event.
 
     SOURCE is an engine's ZMQ PUB endpoint (tcp://HOST:PORT or ipc://PATH, optionally labelled
@@ -36,4 +38,4 @@ def command(**params: object) -> None:
       kvctl tap nats://127.0.0.1:4222 --from-start -c 100
       kvctl tap tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558 --duration 60
     """
-    stream(params, connection_kwargs(params))
+    stream(sources, selection, limits, out, strict)

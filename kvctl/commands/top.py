@@ -11,11 +11,12 @@ import click
 
 from ..events import BLOCK_REMOVED, BLOCK_STORED, Batch
 from ..help import KvctlCommand
-from ..options import filter_options, limit_options, source_arguments
+from ..options import Sources, filter_options, limit_options, source_arguments
 from ..pipeline import Summary
 from ..redact import shown_sources
+from ..selection import Filters, Limits
 from ..sequence import GAP, SequenceTracker
-from ..session import Interrupted, read
+from ..session import on_interrupt, read
 from ..state import StreamState, WorkerKey, recv_time, worker_label
 from ..text import plural
 
@@ -135,13 +136,14 @@ class TopModel:
         self.last_tick = now
         for row in self.rows.values():
             cur = (row.batches, row.stored, row.removed)
-            row.rates = tuple((c - p) / dt for c, p in zip(cur, row.prev, strict=True))
+            batches, stored, removed = ((c - p) / dt for c, p in zip(cur, row.prev, strict=True))
+            row.rates = (batches, stored, removed)
             row.prev = cur
 
     def snapshot(
         self, now_epoch: float, sort: str = "worker", reverse: bool = False
     ) -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
         for key, row in self.rows.items():
             cache = self.state.workers.get(key)
             seen = None if row.last_seen is None else max(0.0, now_epoch - row.last_seen)
@@ -303,7 +305,7 @@ class Keys:
     help="One JSON snapshot per refresh on stdout instead of a screen.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No messages or summary on stderr.")
-def command(**params: Any) -> None:
+def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Watch KV-event streams live: one row per worker, refreshed every second.
 
     Columns: blocks cached, blocks stored and removed per second, batches per second, last
@@ -321,17 +323,17 @@ def command(**params: Any) -> None:
     """
     from rich.console import Console
 
-    from ..output import StderrDiagnostics
+    from ..output import Output
 
     quiet = params["quiet"]
-    diagnostics = StderrDiagnostics(quiet=quiet)  # literal text: names and types are data
+    diagnostics = Output(as_json=params["as_json"], quiet=quiet)
     as_json = params["as_json"]
     refresh = params["refresh"]
     sort_names = list(SORT_KEYS)
     view = {"sort": params["sort"], "reverse": params["reverse"], "quit": False}
     started = time.monotonic()
     model = TopModel(started)
-    live_summary = Summary()  # replaced by the pipeline's when it returns
+    summary = Summary()
     out = Console(
         highlight=False,
         soft_wrap=False,
@@ -412,11 +414,17 @@ def command(**params: Any) -> None:
 
     def on_open(source: Any) -> None:
         if not interactive:
-            diagnostics.say(f"kvctl: reading {shown_sources(params['sources'])}", "dim")
+            diagnostics.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
 
-    interrupted = False
-    summary = live_summary
-    live = None
+    live: Any = None
+
+    def interrupted() -> str:
+        summary.stopped_by = "interrupt"
+        if live is None:
+            show(None)  # the last snapshot printed (a screen keeps its final frame)
+        return summary.line()
+
+    on_interrupt(interrupted, quiet)
     try:
         with Keys() as keys:
             if interactive:
@@ -426,19 +434,16 @@ def command(**params: Any) -> None:
                     frame(), console=out, auto_refresh=False, transient=False, redirect_stderr=False
                 )
                 live.start()
-            try:
-                summary = read(params, model.feed, make_tick(live, keys), on_open)
-            except KeyboardInterrupt as exc:
-                summary = getattr(exc, "summary", live_summary)
-                interrupted = True
+            tick = make_tick(live, keys)
+            read(sources, selection, limits, diagnostics, summary, model.feed, tick, on_open)
+            on_interrupt(None)
             show(live)  # the final state stays on screen (or is the last snapshot printed)
             if live is not None:
                 live.stop()
     finally:
-        if live is not None and live.is_started:
+        if live is not None and live.is_started:  # Ctrl-C: the final state stays on screen
+            live.update(frame(), refresh=True)
             live.stop()
     if view["quit"]:
         summary.stopped_by = "q"
-    if interrupted:
-        raise Interrupted(summary.line(), params["quiet"])
     diagnostics.say(f"kvctl: {summary.line()}", "dim")
