@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import threading
 import time
 from collections import deque
@@ -54,6 +55,7 @@ from .tagged_json import to_json_value
 
 CONVERTER_RESTARTS = 3  # a converter that keeps dying: the rest is converted at close
 CONVERTER_NICE = 19  # the receive loop comes first; conversion uses idle CPU (disk buffers)
+CONVERTER_EXIT_S = 5.0  # after a failure: how long the converter may take to stop
 CONVERTER_STALL_S = 60.0  # at close: a converter silent this long is replaced by inline work
 MAX_READY_CHUNKS = 16  # built chunks waiting for the I/O thread before the caller writes them
 FLUSH_BYTES = 4_000_000  # raw frames buffered before a chunk is cut: large batches stay bounded
@@ -389,16 +391,18 @@ class RecordingWriter:
         return summary
 
     def _release_converter(self) -> None:
-        """After a failure: the converter finishes the journals already sealed (each one it
-        does not finish stays for `kvctl recover`), then exits."""
+        """After a failure: the converter is told what a recorder's death tells it (its pipes
+        close), so it stops at once and leaves every unconverted journal to `kvctl recover`;
+        it is killed if it has not exited within a few seconds."""
         conv = self._converter
         if conv is None:
             return
+        self._converter = None
+        conv.close_pipes()
         try:
-            self._drain_converter()
-        except Exception:
+            conv.proc.wait(CONVERTER_EXIT_S)
+        except subprocess.TimeoutExpired:
             conv.kill()
-            self._converter = None
 
     def __enter__(self) -> RecordingWriter:
         return self
