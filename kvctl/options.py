@@ -281,6 +281,26 @@ limit_options = _group(
     ),
 )
 
+# --json, declared once per meaning: every command has it, and the same meaning reads the same
+json_lines_option = click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="JSON lines on stdout (one object per event); diagnostics stay on stderr.",
+)
+json_report_option = click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="The report as one JSON object on stdout; diagnostics stay on stderr.",
+)
+json_snapshots_option = click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON snapshot per refresh on stdout instead of a screen.",
+)
+
 output_options = _group(
     "out",
     lambda params: Output(
@@ -288,12 +308,7 @@ output_options = _group(
         quiet=params.pop("quiet"),
         hash_style=params.pop("hash_format"),
     ),
-    click.option(
-        "--json",
-        "as_json",
-        is_flag=True,
-        help="JSON lines on stdout (one object per event); diagnostics stay on stderr.",
-    ),
+    json_lines_option,
     click.option(
         "--hash-format",
         type=click.Choice(HASH_STYLES),
@@ -310,9 +325,7 @@ output_options = _group(
 report_options = _group(
     "out",
     lambda params: Output(as_json=params.pop("as_json"), quiet=params.pop("quiet")),
-    click.option(
-        "--json", "as_json", is_flag=True, help="The final report as one JSON object on stdout."
-    ),
+    json_report_option,
     click.option(
         "-q", "--quiet", is_flag=True, help="No progress, diagnostics or report on stderr."
     ),

@@ -13,7 +13,7 @@ from ..checks import ERROR, INFO, RULES, WARNING, Checker, Finding, Report
 from ..errors import ExitCode
 from ..events import Batch
 from ..help import KvctlCommand
-from ..options import Sources, filter_options, limit_options, source_arguments
+from ..options import Sources, filter_options, json_report_option, limit_options, source_arguments
 from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
@@ -122,12 +122,7 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
     metavar="N",
     help="Findings printed live and kept as examples, per rule.",
 )
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="The report as one JSON object on stdout (live findings stay on stderr).",
-)
+@json_report_option
 @click.option("-q", "--quiet", is_flag=True, help="No live findings or summary on stderr.")
 def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Check KV-event streams for what breaks KV-aware routing.

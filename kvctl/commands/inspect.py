@@ -7,11 +7,12 @@ from typing import Any
 import click
 
 from ..help import KvctlCommand
+from ..options import json_report_option
 
 
 @click.command("inspect", cls=KvctlCommand)
 @click.argument("path", type=click.Path(exists=True))
-@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+@json_report_option
 def command(path: str, as_json: bool) -> None:
     """Show a recording's schema version, time range, seq range per publisher, counts by type
     and worker, gaps, malformed messages, size and compression ratio.

@@ -14,7 +14,7 @@ import click
 
 from ..events import Batch, Event
 from ..help import KvctlCommand
-from ..options import Sources, filter_options, limit_options, source_arguments
+from ..options import Sources, filter_options, json_report_option, limit_options, source_arguments
 from ..pipeline import Emptied, Gap, Item, Malformed, Narrowed
 from ..selection import Filters, Limits
 from ..text import plural
@@ -71,9 +71,7 @@ def _parse(value: str | None, units: dict[str, float], what: str) -> float | Non
 )
 @filter_options
 @limit_options
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the final summary as one JSON object on stdout."
-)
+@json_report_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress line, diagnostics or summary.")
 def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Record KV-event streams to Parquet, one row per event, raw bytes kept.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from ..help import KvctlCommand
+from ..options import json_report_option
 from ..text import plural
 
 
@@ -17,12 +18,7 @@ from ..text import plural
     help="Write the recovered recording here (a new file) instead of the journal's "
     "own recording path, e.g. when that path already holds another recording.",
 )
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Print the recovered recording's summary as one JSON object.",
-)
+@json_report_option
 @click.option("-q", "--quiet", is_flag=True, help="No summary on stderr (errors excepted).")
 def command(path: str, output: str | None, as_json: bool, quiet: bool) -> None:
     """Convert the journal of a recorder that was killed (kill -9, power loss) to Parquet.

@@ -8,7 +8,7 @@ import click
 
 from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from ..help import KvctlCommand
-from ..options import Sources, filter_options, limit_options, source_arguments
+from ..options import Sources, filter_options, json_report_option, limit_options, source_arguments
 from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
@@ -217,7 +217,7 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
     help="KV-cache capacity per worker in blocks, if known: drawn as the capacity "
     "line of occupancy.png.",
 )
-@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+@json_report_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress or summary on stderr.")
 def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Summarise KV-event streams: per worker and overall.

@@ -11,7 +11,13 @@ import click
 
 from ..events import BLOCK_REMOVED, BLOCK_STORED, Batch
 from ..help import KvctlCommand
-from ..options import Sources, filter_options, limit_options, source_arguments
+from ..options import (
+    Sources,
+    filter_options,
+    json_snapshots_option,
+    limit_options,
+    source_arguments,
+)
 from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
@@ -298,12 +304,7 @@ class Keys:
     metavar="SECONDS",
     help="Seconds between screen updates (and rate windows).",
 )
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="One JSON snapshot per refresh on stdout instead of a screen.",
-)
+@json_snapshots_option
 @click.option("-q", "--quiet", is_flag=True, help="No messages or summary on stderr.")
 def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
     """Watch KV-event streams live: one row per worker, refreshed every second.
