@@ -2,7 +2,8 @@
 reaches the command as one typed object: the source arguments and options as ``sources``
 (:class:`Sources` with its :class:`Connection`), the NATS credentials as ``nats``
 (``NatsOptions``), ``--type``/``--worker`` as ``selection`` (``Filters``), the stop
-conditions as ``limits`` (``Limits``), the output options as ``out`` (``Output``).
+conditions as ``limits`` (``Limits``), the output options as ``out`` (``Output``), where and how
+replay and bridge send as ``to`` (``Target``).
 
 Every option can also come from the environment: ``KVCTL_<COMMAND>_<OPTION>`` (click's
 auto_envvar_prefix, e.g. ``KVCTL_TAP_COUNT=10``); NATS credentials have short names of their own
@@ -19,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .events import EVENT_TYPES, HASH_STYLES
+from .formats.engine_zmq import ARRAY_LAYOUTS, DEFAULT_ARRAY_LAYOUT
 from .output import Output
 from .selection import Filters, Limits
+from .targets import NATS_FORMATS, ZMQ_FORMATS, Target
 
 if TYPE_CHECKING:
     from .transports.nats import NatsOptions
@@ -278,6 +281,103 @@ limit_options = _group(
         type=click.FloatRange(min=0, min_open=True),
         metavar="SECONDS",
         help="Stop when nothing arrived for this many seconds.",
+    ),
+)
+
+
+def _target(params: dict[str, Any]) -> Target:
+    return Target(
+        url=params.pop("to"),
+        encoding=params.pop("encoding"),
+        array_layout=params.pop("array_layout"),
+        per_worker=params.pop("port_per_worker"),
+        keep_seq=params.pop("keep_seq"),
+        worker_topics=params.pop("worker_topics"),
+        replay_port=params.pop("replay_port"),
+        hwm=params.pop("hwm"),
+        wait_subscribers=params.pop("wait_subscribers"),
+        linger=params.pop("linger"),
+        namespace=params.pop("namespace"),
+        component=params.pop("component"),
+        dynamo_endpoint=params.pop("dynamo_endpoint"),
+    )
+
+
+# Where and how replay and bridge send. The NATS credentials are not here: replay adds
+# nats_auth_options once, bridge has them with its sources already.
+target_options = _group(
+    "to",
+    _target,
+    click.option(
+        "--to",
+        required=True,
+        metavar="URL",
+        help="tcp://HOST:PORT or ipc://PATH (a PUB that binds, as an engine does) or "
+        "nats://HOST:PORT[/SUBJECT] (Dynamo).",
+    ),
+    click.option(
+        "--format",
+        "encoding",
+        type=click.Choice([*ZMQ_FORMATS, *NATS_FORMATS]),
+        help="raw (recorded bytes; default for engine batches to ZMQ), vllm, "
+        "vllm-array, sglang, seed; dynamo (default on NATS), dynamo-json.",
+    ),
+    click.option(
+        "--array-layout",
+        default=DEFAULT_ARRAY_LAYOUT,
+        show_default=True,
+        type=click.Choice(list(ARRAY_LAYOUTS)),
+        help="vLLM release whose array length --format vllm-array writes.",
+    ),
+    click.option(
+        "--port-per-worker",
+        is_flag=True,
+        help="One PUB per worker on consecutive ports (port + i), like vLLM DP ranks.",
+    ),
+    click.option("--keep-seq", is_flag=True, help="Send the recorded seq instead of a fresh one."),
+    click.option(
+        "--worker-topics",
+        metavar="MODEL",
+        help="All workers on one socket, each message on topic kv@<worker>@MODEL "
+        "(llm-d's convention; tap reads the worker back from it).",
+    ),
+    click.option(
+        "--replay-port",
+        type=click.IntRange(1, 65535),
+        metavar="PORT",
+        help="Serve a vLLM-style replay ROUTER on PORT (+ i per worker).",
+    ),
+    click.option(
+        "--hwm",
+        type=click.IntRange(min=1),
+        default=100_000,
+        show_default=True,
+        metavar="MESSAGES",
+        help="ZMQ send high-water mark per subscriber (vLLM's default); a subscriber "
+        "this far behind makes sending wait (counted in the report).",
+    ),
+    click.option(
+        "--wait-subscribers",
+        type=click.IntRange(min=0),
+        default=0,
+        metavar="N",
+        help="Hold the first batch until N subscribers joined (ZMQ).",
+    ),
+    click.option(
+        "--linger",
+        type=click.FloatRange(min=0),
+        default=0.0,
+        metavar="SECONDS",
+        help="Keep sockets (and the replay ROUTER) open this long after the end.",
+    ),
+    click.option("--namespace", default="dynamo", show_default=True, help="Dynamo namespace."),
+    click.option("--component", default="backend", show_default=True, help="Dynamo component."),
+    click.option(
+        "--endpoint",
+        "dynamo_endpoint",
+        default="generate",
+        show_default=True,
+        help="Dynamo endpoint.",
     ),
 )
 

@@ -1,6 +1,7 @@
-"""The sending side shared by replay, bridge and simulate: the target options, opening a
-target from them, lingering, and the tcpreplay-style report with what the target could see of
-its receivers (ZMQ subscribers and back-pressure, NATS publishes and JetStream acks)."""
+"""The sending side shared by replay, bridge and simulate: opening the target their options
+name (:data:`kvctl.options.target_options`), lingering, and the tcpreplay-style report with
+what the target could see of its receivers (ZMQ subscribers and back-pressure, NATS publishes
+and JetStream acks)."""
 
 from __future__ import annotations
 
@@ -8,119 +9,24 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import click
-
 from .events import Batch
 from .pipeline import Emptied, Item, Malformed, Narrowed
-from .targets import NATS_FORMATS, ZMQ_FORMATS
+from .targets import NatsTarget, Target, ZmqTarget
+from .targets import open_target as open_target_named
 from .text import plural
 
 if TYPE_CHECKING:
     from .output import Output
     from .transports.nats import NatsOptions
 
-target_options = [
-    click.option(
-        "--to",
-        required=True,
-        metavar="URL",
-        help="tcp://HOST:PORT or ipc://PATH (a PUB that binds, as an engine does) or "
-        "nats://HOST:PORT[/SUBJECT] (Dynamo).",
-    ),
-    click.option(
-        "--format",
-        "encoding",
-        type=click.Choice([*ZMQ_FORMATS, *NATS_FORMATS]),
-        help="raw (recorded bytes; default for engine batches to ZMQ), vllm, "
-        "vllm-array, sglang, seed; dynamo (default on NATS), dynamo-json.",
-    ),
-    click.option(
-        "--array-layout",
-        default="0.22",
-        show_default=True,
-        type=click.Choice(["0.9", "0.10.2", "0.14", "0.17", "0.20", "0.22"]),
-        help="vLLM release whose array length --format vllm-array writes.",
-    ),
-    click.option(
-        "--port-per-worker",
-        is_flag=True,
-        help="One PUB per worker on consecutive ports (port + i), like vLLM DP ranks.",
-    ),
-    click.option("--keep-seq", is_flag=True, help="Send the recorded seq instead of a fresh one."),
-    click.option(
-        "--worker-topics",
-        metavar="MODEL",
-        help="All workers on one socket, each message on topic kv@<worker>@MODEL "
-        "(llm-d's convention; tap reads the worker back from it).",
-    ),
-    click.option(
-        "--replay-port",
-        type=click.IntRange(1, 65535),
-        metavar="PORT",
-        help="Serve a vLLM-style replay ROUTER on PORT (+ i per worker).",
-    ),
-    click.option(
-        "--hwm",
-        type=click.IntRange(min=1),
-        default=100_000,
-        show_default=True,
-        metavar="MESSAGES",
-        help="ZMQ send high-water mark per subscriber (vLLM's default); a subscriber "
-        "this far behind makes sending wait (counted in the report).",
-    ),
-    click.option(
-        "--wait-subscribers",
-        type=click.IntRange(min=0),
-        default=0,
-        metavar="N",
-        help="Hold the first batch until N subscribers joined (ZMQ).",
-    ),
-    click.option(
-        "--linger",
-        type=click.FloatRange(min=0),
-        default=0.0,
-        metavar="SECONDS",
-        help="Keep sockets (and the replay ROUTER) open this long after the end.",
-    ),
-    click.option("--namespace", default="dynamo", show_default=True, help="Dynamo namespace."),
-    click.option("--component", default="backend", show_default=True, help="Dynamo component."),
-    click.option(
-        "--endpoint",
-        "dynamo_endpoint",
-        default="generate",
-        show_default=True,
-        help="Dynamo endpoint.",
-    ),
-]
-"""Where and how to send. The NATS credentials are not here: a command adds
-:data:`kvctl.options.nats_auth_options` once (bridge has them with its sources already)."""
 
-
-def with_target_options(func: Any) -> Any:
-    for option in reversed(target_options):
-        func = option(func)
-    return func
-
-
-def open_target(params: dict[str, Any], nats: NatsOptions, diagnostics: Any = None) -> Any:
-    """The target of a sending command's options (``--to``, ``--format``, the NATS
-    credentials, ...). ``diagnostics`` hears of a subscriber holding the sends (once) and of
-    NATS outages, as they happen."""
-    from .targets import open_target as open_url
-
-    return open_url(
-        params["to"],
-        params["encoding"],
-        per_worker=params["port_per_worker"],
-        keep_seq=params["keep_seq"],
-        replay_port=params["replay_port"],
-        array_layout=params["array_layout"],
-        worker_topics=params["worker_topics"],
-        hwm=params["hwm"],
-        namespace=params["namespace"],
-        component=params["component"],
-        endpoint=params["dynamo_endpoint"],
-        options=nats,
+def open_target(to: Target, nats: NatsOptions, diagnostics: Any = None) -> ZmqTarget | NatsTarget:
+    """The target of a sending command's options (``--to``, ``--format``, ...) with the NATS
+    credentials. ``diagnostics`` hears of a subscriber holding the sends (once) and of NATS
+    outages, as they happen."""
+    return open_target_named(
+        to,
+        nats,
         on_long_stall=stall_warning(diagnostics) if diagnostics is not None else None,
         notify=transport_notice(diagnostics) if diagnostics is not None else None,
     )

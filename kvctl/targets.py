@@ -8,7 +8,8 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -17,9 +18,39 @@ from .events import BLOCK_REMOVED, BLOCK_STORED, U64_MASK, Batch, Event, bytes_h
 from .formats import dynamo, encoding_named, engine_zmq, format_names
 from .formats.codec import NATS, ZMQ, NatsEncoding, ZmqEncoding
 
+if TYPE_CHECKING:
+    from .transports.nats import NatsOptions
+
 ZMQ_FORMATS = ("raw", *format_names(ZMQ))
 """``--format`` names a ZMQ target sends: the recorded bytes (``raw``) or a codec's encoding."""
 NATS_FORMATS = format_names(NATS)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how a sending command sends (its target options): the ``--to`` URL, the
+    format, the ZMQ socket layout and the Dynamo subject parts. The NATS credentials travel
+    apart (``NatsOptions``), as every command that talks to NATS has them."""
+
+    url: str
+    encoding: str | None = None
+    """None: the transport's default, ``vllm`` on ZMQ, ``dynamo`` on NATS (replay and bridge
+    then send recorded engine bytes as they are, see :class:`Sender`)."""
+    per_worker: bool = False
+    """One PUB per worker on consecutive ports (``--port-per-worker``)."""
+    keep_seq: bool = False
+    worker_topics: str | None = None
+    """The MODEL of topic ``kv@<worker>@MODEL``: every worker on one socket."""
+    replay_port: int | None = None
+    array_layout: str = engine_zmq.DEFAULT_ARRAY_LAYOUT
+    hwm: int = 100_000
+    namespace: str = "dynamo"
+    component: str = "backend"
+    dynamo_endpoint: str = "generate"
+    wait_subscribers: int = 0
+    """Hold the first batch until this many subscribers joined (ZMQ)."""
+    linger: float = 0.0
+    """Seconds the sockets (and replay ROUTERs) stay open after the end."""
 
 
 def zmq_encoding(name: str) -> ZmqEncoding:
@@ -416,34 +447,40 @@ class RecordingTarget:
         return None  # a file: everything written is there
 
 
-def open_target(to: str, encoding: str | None, **kwargs: Any) -> ZmqTarget | NatsTarget:
-    """``--to`` URL -> a target; the format defaults to ``vllm`` for ZMQ, ``dynamo`` for NATS."""
-    if to.startswith(("nats://", "tls://")):
-        nats_keys = ("namespace", "component", "endpoint", "subject", "options", "notify")
+def open_target(
+    to: Target,
+    nats: NatsOptions | None = None,
+    on_long_stall: Callable[[float], None] | None = None,
+    notify: Callable[[str], None] | None = None,
+) -> ZmqTarget | NatsTarget:
+    """The target ``to`` names; the format defaults to ``vllm`` for ZMQ, ``dynamo`` for NATS.
+    ``on_long_stall`` hears of a ZMQ subscriber holding the sends, ``notify`` of NATS outages."""
+    if to.url.startswith(("nats://", "tls://")):
         return NatsTarget(
-            to,
-            encoding or "dynamo",
-            **{k: v for k, v in kwargs.items() if k in nats_keys and v is not None},
+            to.url,
+            to.encoding or "dynamo",
+            namespace=to.namespace,
+            component=to.component,
+            endpoint=to.dynamo_endpoint,
+            options=nats,
+            notify=notify,
         )
-    if to.startswith(("tcp://", "ipc://", "inproc://")):
-        zmq_keys = (
-            "per_worker",
-            "keep_seq",
-            "replay_port",
-            "array_layout",
-            "worker_topics",
-            "hwm",
-            "on_long_stall",
-        )
+    if to.url.startswith(("tcp://", "ipc://", "inproc://")):
         return ZmqTarget(
-            to,
-            encoding or "vllm",
-            **{k: v for k, v in kwargs.items() if k in zmq_keys and v is not None},
+            to.url,
+            to.encoding or "vllm",
+            per_worker=to.per_worker,
+            keep_seq=to.keep_seq,
+            replay_port=to.replay_port,
+            array_layout=to.array_layout,
+            worker_topics=to.worker_topics,
+            hwm=to.hwm,
+            on_long_stall=on_long_stall,
         )
     from .redact import redact_url
 
     raise UsageError(
-        f"--to {redact_url(to)}: expected tcp://HOST:PORT, ipc://PATH or nats://HOST:PORT"
+        f"--to {redact_url(to.url)}: expected tcp://HOST:PORT, ipc://PATH or nats://HOST:PORT"
     )
 
 

@@ -29,7 +29,7 @@ from kvctl.formats import (
     rebuild_frames,
 )
 from kvctl.formats.codec import NATS, ZMQ, NatsForm, ZmqEncoding, ZmqForm
-from kvctl.publishing import with_target_options
+from kvctl.options import target_options
 
 EVENTS = [stored([11, 12], parent=10), removed([12]), {"type": "AllBlocksCleared"}]
 
@@ -46,9 +46,12 @@ def test_commands_offer_the_registry_formats() -> None:
     simulate_format = next(p for p in simulate.command.params if p.name == "encoding")
     assert tuple(simulate_format.type.choices) == format_names()
 
-    sending = click.command()(with_target_options(lambda **options: None))
+    sending = click.command()(target_options(lambda **options: None))
     replay_format = next(p for p in sending.params if p.name == "encoding")
     assert tuple(replay_format.type.choices) == ("raw", *format_names())
+    layout = next(p for p in sending.params if p.name == "array_layout")
+    assert tuple(layout.type.choices) == tuple(engine_zmq.ARRAY_LAYOUTS)
+    assert layout.default == engine_zmq.DEFAULT_ARRAY_LAYOUT
 
 
 def test_codecs_are_found_by_name_format_or_shape() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import click
 
@@ -14,6 +13,7 @@ from ..options import (
     limit_options,
     report_options,
     source_arguments,
+    target_options,
 )
 from ..output import Output
 from ..publishing import (
@@ -23,21 +23,19 @@ from ..publishing import (
     open_target,
     print_report,
     wait_subscribers,
-    with_target_options,
 )
 from ..redact import redact_url, shown_sources
 from ..selection import Filters, Limits
+from ..targets import Sender, Target
 
 
 @click.command("bridge", cls=KvctlCommand)
 @source_arguments
-@with_target_options
+@target_options
 @filter_options
 @limit_options
 @report_options
-def command(
-    sources: Sources, selection: Filters, limits: Limits, out: Output, **params: Any
-) -> None:
+def command(sources: Sources, to: Target, selection: Filters, limits: Limits, out: Output) -> None:
     """Forward live streams to a target as they arrive: engine ZMQ -> Dynamo on NATS (what
     Dynamo's ZMQ relay does in-process), old vLLM arrays -> the new map form, NATS -> ZMQ.
 
@@ -50,13 +48,12 @@ def command(
     from ..pacing import Schedule
     from ..pipeline import Summary, run
     from ..session import on_interrupt, open_source
-    from ..targets import Sender
 
     assert sources.connection is not None  # live sources: the source options build it
-    target = open_target(params, sources.connection.nats, out)
+    target = open_target(to, sources.connection.nats, out)
     source = None
     summary = Summary()
-    sender = Sender(target, params["encoding"])
+    sender = Sender(target, to.encoding)
     started, cpu_start = time.perf_counter(), time.process_time()
 
     def send_report() -> None:
@@ -72,10 +69,10 @@ def command(
         return "interrupted"
 
     try:
-        wait_subscribers(target, params["wait_subscribers"], out)
+        wait_subscribers(target, to.wait_subscribers, out)
         source = open_source(sources, out)
         out.say(
-            f"kvctl: bridging {shown_sources(sources.addresses)} -> {redact_url(params['to'])}",
+            f"kvctl: bridging {shown_sources(sources.addresses)} -> {redact_url(to.url)}",
             "dim",
         )
         run(
@@ -85,7 +82,7 @@ def command(
             selection,
             summary=summary,
         )
-        linger(target, params["linger"])
+        linger(target, to.linger)
     finally:
         if source is not None:
             source.close()

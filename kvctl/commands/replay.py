@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..help import KvctlCommand
-from ..options import filter_options, nats_auth_options, report_options
+from ..options import filter_options, nats_auth_options, report_options, target_options
 from ..output import Output
 from ..pacing import Window
 from ..publishing import (
@@ -18,9 +18,9 @@ from ..publishing import (
     open_target,
     print_report,
     wait_subscribers,
-    with_target_options,
 )
 from ..selection import Filters
+from ..targets import Sender, Target, ZmqTarget
 
 if TYPE_CHECKING:
     from ..transports.nats import NatsOptions
@@ -41,7 +41,7 @@ def parse_window(value: str | None) -> Window | None:
 @click.argument(
     "recordings", nargs=-1, required=True, metavar="RECORDING...", type=click.Path(exists=True)
 )
-@with_target_options
+@target_options
 @nats_auth_options
 @click.option(
     "--speed",
@@ -81,7 +81,22 @@ def parse_window(value: str | None) -> Window | None:
 @filter_options
 @click.option("-c", "--count", type=click.IntRange(min=1), metavar="N", help="Stop after N events.")
 @report_options
-def command(selection: Filters, nats: NatsOptions, out: Output, **params: Any) -> None:
+def command(
+    recordings: tuple[str, ...],
+    to: Target,
+    nats: NatsOptions,
+    speed: float,
+    rate: float | None,
+    topspeed: bool,
+    max_gap: float | None,
+    loop: int,
+    unique_hashes: bool,
+    start: str | None,
+    end: str | None,
+    selection: Filters,
+    count: int | None,
+    out: Output,
+) -> None:
     """Replay recordings into an engine (ZMQ PUB that binds) or a router (Dynamo on NATS),
     in any producer's format, at the recorded pace, scaled, or at a fixed rate.
 
@@ -100,25 +115,19 @@ def command(selection: Filters, nats: NatsOptions, out: Output, **params: Any) -
     from ..recording.source import RecordingSource
     from ..selection import Limits
     from ..session import on_interrupt
-    from ..targets import Sender
 
-    if params["encoding"] == "raw" and (
-        params["unique_hashes"] or selection.types or selection.workers or params["count"]
-    ):
+    if to.encoding == "raw" and (unique_hashes or selection.types or selection.workers or count):
         raise click.UsageError(
             "--format raw sends recorded bytes unchanged: it cannot be "
             "combined with filters, -c or --unique-hashes"
         )
-    start, end = parse_window(params["start"]), parse_window(params["end"])
+    window_start, window_end = parse_window(start), parse_window(end)
     # paced sends must not stall while the next chunk is decoded (256 rows: ~3 ms stalls)
-    recording = RecordingSource(
-        list(params["recordings"]), chunk_rows=4096 if params["topspeed"] else 256
-    )
-    target = open_target(params, nats, out)
-    speed = None if params["topspeed"] or params["rate"] else params["speed"]
-    schedule = Schedule(None if params["topspeed"] else (1.0 if params["rate"] else speed))
-    sender = Sender(target, params["encoding"])
-    progress = _Progress(out, params, sender)
+    recording = RecordingSource(list(recordings), chunk_rows=4096 if topspeed else 256)
+    target = open_target(to, nats, out)
+    schedule = Schedule(None if topspeed else (1.0 if rate else speed))
+    sender = Sender(target, to.encoding)
+    progress = _Progress(out, list(recordings), loop, sender)
     elapsed = 0.0
 
     def send_report() -> None:
@@ -131,27 +140,27 @@ def command(selection: Filters, nats: NatsOptions, out: Output, **params: Any) -
         return "interrupted"
 
     def next_loop(loop: int) -> None:
-        sender.salt = _salt(loop) if params["unique_hashes"] else 0
+        sender.salt = _salt(loop) if unique_hashes else 0
 
     source = PacedSource(
         recording,
         schedule,
-        rate=params["rate"],
-        max_gap=params["max_gap"],
-        loops=params["loop"],
-        start=start,
-        end=end,
+        rate=rate,
+        max_gap=max_gap,
+        loops=loop,
+        start=window_start,
+        end=window_end,
         on_loop=next_loop,
         on_read=progress.advance,
     )
     try:
-        if params["port_per_worker"] and hasattr(target, "open_for"):
+        if to.per_worker and isinstance(target, ZmqTarget):
             target.open_for(b for b in recording.batches() if b is not None and b.error is None)
-        wait_subscribers(target, params["wait_subscribers"], out)
+        wait_subscribers(target, to.wait_subscribers, out)
         # raw sends every message, one without events too
-        sending = Sending(sender, send_empty=params["encoding"] == "raw")
-        run(source, [sending], Limits(count=params["count"]), selection)
-        linger(target, params["linger"])
+        sending = Sending(sender, send_empty=to.encoding == "raw")
+        run(source, [sending], Limits(count=count), selection)
+        linger(target, to.linger)
     finally:
         progress.stop()
         elapsed = time.perf_counter() - schedule.start
@@ -172,7 +181,7 @@ class _Progress:
     recording's total (all loops), percent, ETA and the send rate. The total comes from the
     recording's footer (or manifest); without one (a journal) the bar shows the count alone."""
 
-    def __init__(self, out: Any, params: dict[str, Any], sender: Any) -> None:
+    def __init__(self, out: Any, recordings: list[str], loops: int, sender: Any) -> None:
         self.bar: Any = None
         if out.quiet or not out.console.is_terminal:
             return
@@ -185,8 +194,8 @@ class _Progress:
             TimeRemainingColumn,
         )
 
-        per_loop = recorded_batches(params["recordings"])
-        total = per_loop * params["loop"] if per_loop is not None and params["loop"] else None
+        per_loop = recorded_batches(recordings)
+        total = per_loop * loops if per_loop is not None and loops else None
         self.bar = Progress(
             TextColumn("{task.description}"),
             BarColumn(),

@@ -173,7 +173,36 @@ if TYPE_CHECKING:
 )
 @nats_auth_options
 @report_options
-def command(nats: NatsOptions, out: Output, **params: Any) -> None:
+def command(
+    workers: int,
+    num_blocks: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+    rate: float,
+    prefixes: int,
+    router: str,
+    trace: str | None,
+    requests: int | None,
+    duration: float | None,
+    seed: int,
+    speedup: float,
+    topspeed: bool,
+    epoch: float | None,
+    host: str,
+    base_port: int,
+    replay_base_port: int | None,
+    encoding: str | None,
+    to: str | None,
+    output: str | None,
+    overwrite: bool,
+    namespace: str,
+    component: str,
+    dynamo_endpoint: str,
+    wait_subscribers: int,
+    start_delay: float,
+    nats: NatsOptions,
+    out: Output,
+) -> None:
     """Run a synthetic engine fleet that publishes realistic KV-cache events.
 
     Each worker is a paged KV cache with prefix caching and LRU eviction fed by a workload of
@@ -195,59 +224,57 @@ def command(nats: NatsOptions, out: Output, **params: Any) -> None:
     from ..events import Batch
     from ..output import dumps
     from ..pacing import Schedule
-    from ..publishing import say_delivery, stall_warning, transport_notice
+    from ..publishing import open_target, say_delivery
     from ..recording.layout import output_conflict
     from ..redact import redact_argv, redact_url
     from ..session import on_interrupt
-    from ..targets import RecordingTarget, open_target
+    from ..targets import RecordingTarget, Target
 
-    if params["output"]:  # before any work: nothing of the user's is replaced unasked
-        conflict = output_conflict(params["output"], segmented=False, overwrite=params["overwrite"])
+    if output:  # before any work: nothing of the user's is replaced unasked
+        conflict = output_conflict(output, segmented=False, overwrite=overwrite)
         if conflict is not None:
             raise UsageError(conflict)
     try:  # the whole trace is checked here, before any socket or file is opened
         fleet = Fleet(
-            workers=params["workers"],
-            num_blocks=params["num_blocks"],
-            block_size=params["block_size"],
-            max_num_batched_tokens=params["max_num_batched_tokens"],
-            rate=params["rate"],
-            prefixes=params["prefixes"],
-            router=params["router"],
-            trace=params["trace"],
-            requests=params["requests"],
-            duration=params["duration"],
-            seed=params["seed"],
+            workers=workers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            rate=rate,
+            prefixes=prefixes,
+            router=router,
+            trace=trace,
+            requests=requests,
+            duration=duration,
+            seed=seed,
             speedup=1.0,
         )
     except TraceError as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:
-        raise UsageError(f"{params['trace']}: cannot read trace: {exc.strerror or exc}") from None
-    to = params["to"] or f"tcp://{params['host']}:{params['base_port']}"
-    if params["output"] and params["to"]:
+        raise UsageError(f"{trace}: cannot read trace: {exc.strerror or exc}") from None
+    url = to or f"tcp://{host}:{base_port}"
+    if output and to:
         raise click.UsageError("-o writes a recording; --to publishes: choose one")
-    if params["output"]:
+    if output:
         target: Any = RecordingTarget(
-            params["output"],
-            params["encoding"],
+            output,
+            encoding,
             metadata={"command": redact_argv(sys.argv[1:]), "simulated": True},
-            overwrite=params["overwrite"],
+            overwrite=overwrite,
         )
-        params["topspeed"] = True  # a dataset, not a live stream: no pacing
+        topspeed = True  # a dataset, not a live stream: no pacing
     else:
-        target = open_target(
-            to,
-            params["encoding"],
-            per_worker=True,
-            replay_port=params["replay_base_port"],
-            namespace=params["namespace"],
-            component=params["component"],
-            endpoint=params["dynamo_endpoint"],
-            options=nats,
-            on_long_stall=stall_warning(out),
-            notify=transport_notice(out),
+        publish_to = Target(
+            url,
+            encoding,
+            per_worker=True,  # one socket per simulated worker
+            replay_port=replay_base_port,
+            namespace=namespace,
+            component=component,
+            dynamo_endpoint=dynamo_endpoint,
         )
+        target = open_target(publish_to, nats, out)
     counts = {"batches": 0, "events": 0, "bytes": 0}
     started, cpu_started = time.monotonic(), time.process_time()
     display = None
@@ -259,35 +286,33 @@ def command(nats: NatsOptions, out: Output, **params: Any) -> None:
         return _summary_line(fleet, counts)
 
     try:
-        if params["output"]:
-            out.say(
-                f"kvctl: {plural(params['workers'], 'worker')} recording to {params['output']}",
-                "dim",
-            )
+        if output:
+            out.say(f"kvctl: {plural(workers, 'worker')} recording to {output}", "dim")
         elif hasattr(target, "open_slots"):
-            endpoints = target.open_slots(params["workers"])
+            endpoints = target.open_slots(workers)
             out.say(
-                f"kvctl: {plural(params['workers'], 'worker')} publishing on "
+                f"kvctl: {plural(workers, 'worker')} publishing on "
                 f"{endpoints[0]} .. {endpoints[-1]}",
                 "dim",
             )
         else:
             out.say(
-                f"kvctl: {plural(params['workers'], 'worker')} publishing to "
-                f"{redact_url(to)} "
+                f"kvctl: {plural(workers, 'worker')} publishing to "
+                f"{redact_url(url)} "
                 f"({target.subject})",
                 "dim",
             )
-        if params["wait_subscribers"]:
-            waiting = plural(params["wait_subscribers"], "subscriber")
+        if wait_subscribers:
+            waiting = plural(wait_subscribers, "subscriber")
             out.say(f"kvctl: waiting for {waiting} on every worker", "dim")
-            while not target.wait_subscribers(params["wait_subscribers"], 0.2):
+            while not target.wait_subscribers(wait_subscribers, 0.2):
                 pass
-        if params["start_delay"]:
-            time.sleep(params["start_delay"])
-        epoch = params["epoch"] if params["epoch"] is not None else time.time()
+        if start_delay:
+            time.sleep(start_delay)
+        if epoch is None:
+            epoch = time.time()
         # an engine's step times jitter by more than a sleep overshoot: no spinning needed
-        schedule = Schedule(None if params["topspeed"] else params["speedup"], spin_s=0.0)
+        schedule = Schedule(None if topspeed else speedup, spin_s=0.0)
         display = _live_display(fleet, out.quiet, counts)
         for t, worker, events in fleet.run():
             schedule.wait(t)
