@@ -15,6 +15,7 @@ import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,7 +96,17 @@ _drained: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def finish(proc: subprocess.Popen, timeout: float = 20) -> tuple[int, str, str]:
-    """Wait for a kvctl process (killing it if it overstays) and return (rc, stdout, stderr)."""
+    """Wait for a kvctl process (killing it if it overstays) and return (rc, stdout, stderr),
+    each with what :func:`read_until` read past its last line put back in front."""
+    rc, out, err = _wait_for(proc, timeout)
+    return rc, _read_past(proc.stdout) + out, _read_past(proc.stderr) + err
+
+
+def _read_past(stream: Any) -> str:
+    return _unread.pop(stream, b"").decode() if stream is not None else ""
+
+
+def _wait_for(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
     readers = _drained.pop(proc, None)
     if readers is not None:
         overstayed = False
@@ -123,10 +134,9 @@ def finish(proc: subprocess.Popen, timeout: float = 20) -> tuple[int, str, str]:
 
 
 def read_line(stream, timeout: float = 15) -> str:
-    """One line from a child's pipe, or AssertionError after ``timeout`` (never hangs)."""
-    ready, _, _ = select.select([stream], [], [], timeout)
-    assert ready, f"no output within {timeout}s"
-    return stream.readline().decode()
+    """One line from a child's pipe, or AssertionError after ``timeout`` (never hangs; lines
+    read past it are kept for the next read and for :func:`finish`)."""
+    return read_until(stream, "", timeout)[0]
 
 
 _unread: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -154,12 +164,6 @@ def read_until(stream, text: str, timeout: float = 15) -> list[str]:
         chunk = os.read(fd, 65536)
         assert chunk, f"pipe closed before {text!r}; got {lines}"
         data += chunk
-
-
-def rest_of(proc, timeout: float = 20) -> tuple[int, str, str]:
-    """:func:`finish`, with the stderr that :func:`read_until` read past put back in front."""
-    rc, out, err = finish(proc, timeout)
-    return rc, out, _unread.pop(proc.stderr, b"").decode() + err
 
 
 def interrupt(proc: subprocess.Popen) -> None:

@@ -10,7 +10,7 @@ import time
 import msgpack
 import nats
 import pytest
-from conftest import free_port, publish, read_line, read_until, rest_of, start_kvctl
+from conftest import finish, free_port, publish, read_line, read_until, start_kvctl
 from inprocess import Live, run_main
 
 from kvctl.formats.dynamo import encode_envelope, encode_json, router_event, tokens_hash
@@ -255,7 +255,7 @@ def test_server_outage_mid_run_is_survived_and_reported(tmp_path, outage_s):
         seen += read_until(proc.stderr, "reconnected after")
         # seqs 1 and 2 were "published" during the outage: the envelope's seq shows the loss
         publish(server.url, [(subject, encode_envelope([event], 7, 3, 2000))])
-        rc, out, rest = rest_of(proc)
+        rc, out, rest = finish(proc)
     finally:
         server.stop()
     err = "".join(seen) + rest
@@ -303,7 +303,7 @@ def test_record_through_an_outage_keeps_the_gap(tmp_path, outage_s):
         server = NatsServer(tmp_path / "store", "-m", monitor, port=server.port)
         read_until(proc.stderr, "reconnected after")
         publish(server.url, [(subject, encode_envelope([event], 7, 3, 2000))])
-        rc, _, err = rest_of(proc, timeout=30)
+        rc, _, err = finish(proc, timeout=30)
     finally:
         server.stop()
     assert rc == 0, err
@@ -339,7 +339,7 @@ def test_from_start_history_resumes_after_a_restart(tmp_path):
         server = NatsServer(tmp_path, port=server.port)
         read_until(proc.stderr, "reconnected after")
         publish(server.url, history(3), stream=stream)
-        rc, out, err = rest_of(proc, timeout=8)  # not nats-py's own 10-20 s heartbeat timeout
+        rc, out, err = finish(proc, timeout=8)  # not nats-py's own 10-20 s heartbeat timeout
     finally:
         server.stop()
     assert rc == 0, err
@@ -357,7 +357,7 @@ def test_connect_timeout_also_bounds_an_outage(tmp_path):
         wait_ready(proc)
         kill_server(server)
         started = time.monotonic()
-        rc, _, err = rest_of(proc, timeout=10)
+        rc, _, err = finish(proc, timeout=10)
     finally:
         server.stop()
     assert rc == 1 and time.monotonic() - started < 5, err
