@@ -244,7 +244,11 @@ class Output:
     """Where a command writes, built once from its output options (``--json``, ``-q``,
     ``--hash-format``) and handed to it: on stdout JSON for programs or text for people, on
     stderr the lines for people (nothing with ``quiet``). As a pipeline consumer it shows the
-    items a user must see: gaps, sequence irregularities and malformed messages."""
+    items a user must see: gaps, sequence irregularities and malformed messages.
+
+    Every rich console a command prints with comes from here, so widths and styles are decided
+    in one place: :attr:`console` (diagnostics), :attr:`stdout` (reports), and the special
+    cases :meth:`stderr_tables`, :meth:`wide_stdout`, :meth:`screen` and :meth:`live_stderr`."""
 
     def __init__(
         self, as_json: bool = False, quiet: bool = False, hash_style: str = "unsigned"
@@ -264,7 +268,8 @@ class Output:
 
     @functools.cached_property
     def stdout(self) -> Console:
-        """Tables and reports for people on stdout (check's report, inspect's summary)."""
+        """Tables and reports for people on stdout (check's report, inspect's summary): as
+        wide as the terminal, unbounded when piped; long lines left whole."""
         return _unbounded_when_piped(stderr=False, soft_wrap=True)
 
     def stderr_tables(self) -> Console:
@@ -273,18 +278,18 @@ class Output:
         return _unbounded_when_piped(stderr=True)
 
     def wide_stdout(self) -> Console:
-        """stats' tables on stdout: a pipe or file gets 160 columns (no terminal to fit, and 80
-        would fold endpoint labels), a terminal its own width."""
+        """stats' tables on stdout: 160 columns when piped, a terminal's own width."""
         from rich.console import Console
 
-        return Console(highlight=False, soft_wrap=True, width=_width_when_piped(160))
+        return Console(highlight=False, soft_wrap=True, width=_wide_when_piped())
 
     def screen(self) -> Console:
-        """top's screen on stdout: 160 columns when piped like :meth:`wide_stdout`; lines are
-        fitted to the width (a screen redrawn in place must not wrap)."""
+        """top's screen on stdout: 160 columns when piped, like :meth:`wide_stdout`; rich wraps
+        or cuts lines at the width, never the terminal (a screen redrawn in place must know how
+        many rows it takes)."""
         from rich.console import Console
 
-        return Console(highlight=False, soft_wrap=False, width=_width_when_piped(160))
+        return Console(highlight=False, soft_wrap=False, width=_wide_when_piped())
 
     def live_stderr(self) -> Console | None:
         """A console for a display redrawn in place on stderr (record's progress line,
@@ -368,10 +373,11 @@ def _unbounded_when_piped(stderr: bool, **settings: Any) -> Console:
     return console
 
 
-def _width_when_piped(columns: int) -> int | None:
-    """``columns`` when stdout is not a terminal and COLUMNS is not set; else None (rich
-    measures the terminal, or honours COLUMNS)."""
-    return None if sys.stdout.isatty() or "COLUMNS" in os.environ else columns
+def _wide_when_piped() -> int | None:
+    """160 columns when stdout is not a terminal and COLUMNS is not set (no terminal to fit,
+    and 80 would fold endpoint labels); else None: rich measures the terminal, or honours
+    COLUMNS."""
+    return None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160
 
 
 def _events_console() -> Console:
