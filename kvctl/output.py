@@ -1,12 +1,14 @@
 """The one place that writes: JSON lines on stdout for programs, rich text for people, and
-diagnostics on stderr."""
+diagnostics on stderr. Every rich console is made here, by the :class:`Output` a command gets."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sys
 from datetime import datetime
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import click
 import msgspec
@@ -16,6 +18,9 @@ from .pipeline import Gap, Item, Malformed, Narrowed, SequenceIrregularity
 from .redact import redact_url
 from .sequence import REORDER
 from .text import plural
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 _encoder = msgspec.json.Encoder()  # several times faster than json/orjson on these rows
 _encode = _encoder.encode
@@ -148,17 +153,8 @@ class PrettySink:
     """Readable batches: a header (time, source, seq, worker, format) and one line per event,
     hashes shortened and token ids elided to a count."""
 
-    def __init__(
-        self, console: Any = None, hash_style: str = "unsigned", max_hashes: int = 3
-    ) -> None:
-        from rich.console import Console
-
-        class _Console(Console):
-            def on_broken_pipe(self) -> None:
-                raise BrokenPipeError  # cli exits 0, as for JSON lines (rich would exit 1)
-
-        # emoji off: a producer's ":thumbs_up:" is shown as sent, not as a picture
-        self.console = console or _Console(highlight=False, soft_wrap=True, emoji=False)
+    def __init__(self, console: Console, hash_style: str = "unsigned", max_hashes: int = 3) -> None:
+        self.console = console
         self.hash_style = hash_style
         self.max_hashes = max_hashes
 
@@ -248,28 +244,69 @@ class Output:
     """Where a command writes, built once from its output options (``--json``, ``-q``,
     ``--hash-format``) and handed to it: on stdout JSON for programs or text for people, on
     stderr the lines for people (nothing with ``quiet``). As a pipeline consumer it shows the
-    items a user must see: gaps, sequence irregularities and malformed messages."""
+    items a user must see: gaps, sequence irregularities and malformed messages.
+
+    Every rich console a command prints with comes from here, so widths and styles are decided
+    in one place: :attr:`console` (diagnostics), :attr:`stdout` (reports), and the special
+    cases :meth:`stderr_tables`, :meth:`wide_stdout`, :meth:`screen` and :meth:`live_stderr`."""
 
     def __init__(
-        self,
-        as_json: bool = False,
-        quiet: bool = False,
-        hash_style: str = "unsigned",
-        console: Any = None,
+        self, as_json: bool = False, quiet: bool = False, hash_style: str = "unsigned"
     ) -> None:
-        from rich.console import Console
-
         self.as_json = as_json
         self.quiet = quiet
         self.hash_style = hash_style
-        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
-        """stderr"""
+
+    # Consoles are made when first used: one never written to costs no rich import.
+    @functools.cached_property
+    def console(self) -> Console:
+        """Diagnostics on stderr, shown literally (emoji off: a producer's ":thumbs_up:" stays
+        text), each line left whole for the terminal to wrap."""
+        from rich.console import Console
+
+        return Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+
+    @functools.cached_property
+    def stdout(self) -> Console:
+        """Tables and reports for people on stdout (check's report, inspect's summary): as
+        wide as the terminal, unbounded when piped; long lines left whole."""
+        return _unbounded_when_piped(stderr=False, soft_wrap=True)
+
+    def stderr_tables(self) -> Console:
+        """Tables for people on stderr, sized like :attr:`stdout` (simulate's final state:
+        its stdout is for --json)."""
+        return _unbounded_when_piped(stderr=True)
+
+    def wide_stdout(self) -> Console:
+        """stats' tables on stdout: 160 columns when piped, a terminal's own width."""
+        from rich.console import Console
+
+        return Console(highlight=False, soft_wrap=True, width=_wide_when_piped())
+
+    def screen(self) -> Console:
+        """top's screen on stdout: 160 columns when piped, like :meth:`wide_stdout`; rich wraps
+        or cuts lines at the width, never the terminal (a screen redrawn in place must know how
+        many rows it takes)."""
+        from rich.console import Console
+
+        return Console(highlight=False, soft_wrap=False, width=_wide_when_piped())
+
+    def live_stderr(self) -> Console | None:
+        """A console for a display redrawn in place on stderr (record's progress line,
+        simulate's worker table), or None: with ``quiet``, or when stderr is not a terminal (a
+        pipe or log gets no redraws)."""
+        if self.quiet:
+            return None
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        return console if console.is_terminal else None
 
     def events_sink(self) -> JsonLinesSink | PrettySink:
         """Where delivered events go: JSON lines, or readable batches."""
         if self.as_json:
             return JsonLinesSink(hash_style=self.hash_style)
-        return PrettySink(hash_style=self.hash_style)
+        return PrettySink(_events_console(), hash_style=self.hash_style)
 
     def json(self, obj: Any) -> None:
         """One JSON object (a report) on stdout."""
@@ -318,6 +355,42 @@ class Output:
             f"{irregularity.got} after {irregularity.expected - 1}",
             "yellow",
         )
+
+
+PIPED_WIDTH = 100_000
+"""Console width when not writing to a terminal: wide enough that no table cell is folded or
+ellipsised (rich assumes 80 columns otherwise), so piped output keeps every value whole."""
+
+
+def _unbounded_when_piped(stderr: bool, **settings: Any) -> Console:
+    """As wide as the terminal on a terminal, and :data:`PIPED_WIDTH` when piped (unless
+    COLUMNS says otherwise), so nothing is cut."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr, highlight=False, **settings)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console.width = PIPED_WIDTH
+    return console
+
+
+def _wide_when_piped() -> int | None:
+    """160 columns when stdout is not a terminal and COLUMNS is not set (no terminal to fit,
+    and 80 would fold endpoint labels); else None: rich measures the terminal, or honours
+    COLUMNS."""
+    return None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160
+
+
+def _events_console() -> Console:
+    """stdout for readable batches: emoji off (a producer's ":thumbs_up:" is shown as sent, not
+    as a picture), and a closed pipe ends the command with exit status 0, as for JSON lines
+    (rich would exit 1)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError  # cli.py exits 0 on it
+
+    return _Console(highlight=False, soft_wrap=True, emoji=False)
 
 
 _SEQUENCE_WORDS = {REORDER: "late arrival"}

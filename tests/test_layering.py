@@ -132,6 +132,16 @@ def test_a_command_imports_no_other_command():
             assert not others, f"{module} imports {sorted(others)}"
 
 
+def test_only_output_builds_consoles():
+    """One Output per command run: widths, styles and quiet are decided in one module."""
+    builders = [
+        str(path.relative_to(ROOT))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "output.py" and "Console(" in path.read_text()
+    ]
+    assert not builders, builders
+
+
 def test_mypy_finds_nothing():
     pytest.importorskip("mypy", reason="mypy comes with the test extra")
     result = subprocess.run(

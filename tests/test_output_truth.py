@@ -129,7 +129,8 @@ def test_any_text_value_is_shown_literally(lora, medium, extra, source, topic, w
     batch = Batch(
         source=source, events=[event], format="engine-map", topic=topic, seq=1, worker_id=worker
     )
-    sink = PrettySink()
+    sink = Output().events_sink()
+    assert isinstance(sink, PrettySink)
     sink.console.file = out = io.StringIO()
     sink.write(batch, batch.events)
     text = out.getvalue()

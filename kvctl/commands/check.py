@@ -18,7 +18,7 @@ from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
 from ..session import live_addresses, on_interrupt, read
-from ..text import console, plural
+from ..text import plural
 
 _SEVERITY_STYLE = {ERROR: "red", WARNING: "yellow", INFO: "cyan"}
 
@@ -148,7 +148,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
     from ..output import Output
 
     quiet = params["quiet"]
-    diagnostics = Output(as_json=params["as_json"], quiet=quiet)
+    out = Output(as_json=params["as_json"], quiet=quiet)
     max_examples = params["max_examples"]
     checker = Checker(
         block_size=params["block_size"],
@@ -163,13 +163,11 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         if quiet:
             return
         for f in findings:
-            diagnostics.say(f"kvctl: {finding_line(f)}", _SEVERITY_STYLE.get(f.severity, ""))
+            out.say(f"kvctl: {finding_line(f)}", _SEVERITY_STYLE.get(f.severity, ""))
             res = checker.results.get(f.rule)
             if res is not None and res.count >= max_examples and f.rule not in announced:
                 announced.add(f.rule)
-                diagnostics.say(
-                    f"kvctl: {f.rule}: further findings are counted, not printed", "dim"
-                )
+                out.say(f"kvctl: {f.rule}: further findings are counted, not printed", "dim")
 
     def consume(batch: Batch) -> None:
         found = checker.feed(batch)
@@ -193,7 +191,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         nonlocal started
         started = time.monotonic()  # --idle-timeout counts from the start, like the pipeline's
         addresses.extend(live_addresses(source, sources))
-        diagnostics.say(f"kvctl: checking {shown_sources(sources.addresses)}", "dim")
+        out.say(f"kvctl: checking {shown_sources(sources.addresses)}", "dim")
 
     summary = Summary()
 
@@ -207,7 +205,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         fail = failed(found, params["fail_on"])
         code = ExitCode.INTERRUPTED if interrupted else ExitCode.FINDINGS if fail else ExitCode.OK
         if params["as_json"]:
-            diagnostics.json(
+            out.json(
                 {
                     **found.to_json(),
                     "failed": fail,
@@ -217,7 +215,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
                 }
             )
         else:
-            print_report(found, summary, fail, console(soft_wrap=True))
+            print_report(found, summary, fail, out.stdout)
         return fail
 
     def interrupted() -> str:
@@ -225,9 +223,9 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         return summary.line()
 
     on_interrupt(interrupted, quiet)
-    read(sources, selection, limits, diagnostics, summary, consume, tick, on_open)
+    read(sources, selection, limits, out, summary, consume, tick, on_open)
     fail = report(interrupted=False)
-    diagnostics.say(f"kvctl: {summary.line()}", "dim")
+    out.say(f"kvctl: {summary.line()}", "dim")
     if fail:
         raise click.exceptions.Exit(int(ExitCode.FINDINGS))
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..help import KvctlCommand
 from ..options import json_report_option
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @click.command("inspect", cls=KvctlCommand)
@@ -23,17 +26,18 @@ def command(path: str, as_json: bool) -> None:
       kvctl inspect segments/ --json | jq .by_type
     """
     from ..errors import TransportError
-    from ..output import dumps
+    from ..output import Output
     from ..recording.info import recording_info
 
     try:
         info = recording_info(path)
     except (OSError, ValueError) as exc:
         raise TransportError(f"{path}: cannot read recording: {exc}") from None
-    if as_json:
-        click.echo(dumps(info))
+    out = Output(as_json=as_json)
+    if out.as_json:
+        out.json(info)
     else:
-        _print(info)
+        _print(info, out.stdout)
 
 
 def _when(ns: Any) -> str:
@@ -44,14 +48,12 @@ def _when(ns: Any) -> str:
     return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
 
 
-def _print(info: dict[str, Any]) -> None:
+def _print(info: dict[str, Any], console: Console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from ..text import console as make_console
     from ..text import plural
 
-    console = make_console()  # piped: no table is cut to 80 columns
     meta = info.get("metadata") or {}
     ts = [info.get("first_ts"), info.get("last_ts")]
     lines = [
@@ -69,7 +71,9 @@ def _print(info: dict[str, Any]) -> None:
     ]
     if meta.get("sources"):
         lines.append("sources: " + escape(", ".join(map(str, meta["sources"]))))
-    console.print("\n".join(lines))
+    # Not soft-wrapped, unlike other reports: long lines wrap between words on a terminal and
+    # the table titles are padded to the table's width.
+    console.print("\n".join(lines), soft_wrap=False)
     for title, key in (("events by type", "by_type"), ("events by worker", "by_worker")):
         counts = info.get(key) or {}
         if counts:
@@ -78,7 +82,7 @@ def _print(info: dict[str, Any]) -> None:
             table.add_column("events", justify="right")
             for name, n in sorted(counts.items(), key=lambda kv: -kv[1]):
                 table.add_row(escape(str(name)), str(n))
-            console.print(table)
+            console.print(table, soft_wrap=False)
     publishers = info.get("publishers") or {}
     if publishers:
         table = Table(title="sequence per publisher", title_justify="left")
@@ -91,4 +95,4 @@ def _print(info: dict[str, Any]) -> None:
                 str(p.get("max_seq")),
                 str(p.get("batches")),
             )
-        console.print(table)
+        console.print(table, soft_wrap=False)

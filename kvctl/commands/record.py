@@ -8,7 +8,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -18,6 +18,9 @@ from ..options import Sources, filter_options, json_report_option, limit_options
 from ..pipeline import Emptied, Gap, Item, Malformed, Narrowed
 from ..selection import Filters, Limits
 from ..text import plural
+
+if TYPE_CHECKING:
+    from ..output import Output
 
 _SIZE_UNITS: dict[str, float] = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME_UNITS: dict[str, float] = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -113,8 +116,8 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
     if conflict is not None:  # before any source is opened: nothing of the user's is touched
         raise UsageError(conflict)
     _check_writable(params["output"])
-    diagnostics = Output(as_json=params["as_json"], quiet=params["quiet"])
-    source = open_source(sources, diagnostics)
+    out = Output(as_json=params["as_json"], quiet=params["quiet"])
+    source = open_source(sources, out)
     try:
         writer = RecordingWriter(
             params["output"],
@@ -149,23 +152,21 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         if write_error is not None:  # what was flushed is recoverable; say how much that is
             raise _write_error(write_error, writer, summary, params["output"])
         if params["as_json"]:
-            diagnostics.json({"summary": summary.to_json(), "recording": result})
+            out.json({"summary": summary.to_json(), "recording": result})
         return (
             f"recorded {summary.line()} -> {params['output']} "
             f"({plural(result.get('bytes', 0), 'byte', thousands=True)})"
         )
 
     try:  # from here on, whatever happens, the writer is closed and the recording readable
-        diagnostics.say(
-            f"kvctl: recording {shown_sources(sources.addresses)} -> {params['output']}", "dim"
-        )
+        out.say(f"kvctl: recording {shown_sources(sources.addresses)} -> {params['output']}", "dim")
         # Live batches are journalled raw (frames + labels) and decoded again by the
         # converter; batches read back from recordings are journalled exactly.
         sink = RecordingSink(writer, raw=isinstance(source, LiveSource))
-        progress = None if params["quiet"] else _progress(writer, summary)
+        progress = _progress(writer, summary, out)
         # the diagnostics after the sink: a malformed message is in the journal before its
         # line is shown (a line that is redacted: no password is echoed)
-        run(source, [sink, diagnostics], limits, selection, summary=summary)
+        run(source, [sink, out], limits, selection, summary=summary)
     except OSError as exc:  # disk full, file system gone: reported below, after closing
         summary.stopped_by = "write error"
         write_error = exc
@@ -180,7 +181,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         # Ctrl-C stopped the recording (not its closing, which a second one would cut
         # short): the recording is closed, report it
         on_interrupt(lambda: closing_words(interrupted=True), params["quiet"])
-    diagnostics.say("kvctl: " + closing_words(interrupted=False), "dim")
+    out.say("kvctl: " + closing_words(interrupted=False), "dim")
 
 
 def _write_error(error: OSError, writer: Any, summary: Any, output: str) -> Exception:
@@ -303,13 +304,13 @@ class _Status:
         )
 
 
-def _progress(writer: Any, summary: Any) -> Any:
-    from rich.console import Console
+def _progress(writer: Any, summary: Any, out: Output) -> Any:
+    """The status line, started; None without a terminal on stderr or with -q."""
+    console = out.live_stderr()
+    if console is None:
+        return None
     from rich.live import Live
 
-    console = Console(stderr=True)
-    if not console.is_terminal:
-        return None
     live = Live(_Status(writer, summary), console=console, refresh_per_second=2, transient=True)
     live.start()
     return live

@@ -313,7 +313,7 @@ def command(
             epoch = time.time()
         # an engine's step times jitter by more than a sleep overshoot: no spinning needed
         schedule = Schedule(None if topspeed else speedup, spin_s=0.0)
-        display = _live_display(fleet, out.quiet, counts)
+        display = _live_display(fleet, out, counts)
         for t, worker, events in fleet.run():
             schedule.wait(t)
             batch = Batch(
@@ -411,12 +411,10 @@ def _worker_table(fleet: Any, title: str, rates: list[tuple[float, float]] | Non
     return table
 
 
-def _print_summary(fleet: Any, counts: dict[str, int], out: Any) -> None:
+def _print_summary(fleet: Any, counts: dict[str, int], out: Output) -> None:
     if out.quiet:
         return
-    from ..text import console
-
-    console(stderr=True).print(_worker_table(fleet, "kvctl simulate: final state"))
+    out.stderr_tables().print(_worker_table(fleet, "kvctl simulate: final state"))
     out.say("kvctl: " + _summary_line(fleet, counts), "dim")
 
 
@@ -461,10 +459,6 @@ class _LiveTable:
         self.live.stop()
 
 
-def _live_display(fleet: Any, quiet: bool, counts: dict[str, int]) -> Any:
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if quiet or not console.is_terminal:
-        return None
-    return _LiveTable(fleet, console, counts)
+def _live_display(fleet: Any, out: Output, counts: dict[str, int]) -> Any:
+    console = out.live_stderr()
+    return None if console is None else _LiveTable(fleet, console, counts)

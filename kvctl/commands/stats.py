@@ -34,18 +34,6 @@ def _secs(value: float | None) -> str:
     return f"{value / 60:.1f} min"
 
 
-def wide_console() -> Any:
-    """stdout console; a pipe or file gets 160 columns (no terminal to fit, and 80 would fold
-    endpoint labels), a terminal its own width."""
-    import os
-    import sys
-
-    from rich.console import Console
-
-    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(highlight=False, soft_wrap=True, width=160 if wide else None)
-
-
 def span_s(result: dict[str, Any]) -> float:
     """Seconds covered by the rate buckets (rates are per this span)."""
     rates = result["rates"]
@@ -249,11 +237,11 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
 
         require_matplotlib()  # before a capture that may take minutes
     quiet = params["quiet"]
-    diagnostics = Output(as_json=params["as_json"], quiet=quiet)
+    out = Output(as_json=params["as_json"], quiet=quiet)
     collector = StatsCollector(bucket_s=params["interval"])
 
     def on_open(source: Any) -> None:
-        diagnostics.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
+        out.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
 
     summary = Summary()
 
@@ -261,14 +249,14 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         on_interrupt(None)
         result = collector.result()
         if params["as_json"]:
-            diagnostics.json({**result, "stream": summary.to_json()})
+            out.json({**result, "stream": summary.to_json()})
         else:
-            print_stats(result, summary, wide_console())
+            print_stats(result, summary, out.wide_stdout())
         if params["plot_dir"]:
             from ..plots import write_plots
 
             written = write_plots(result, params["plot_dir"], capacity=params["num_blocks"])
-            diagnostics.say(f"kvctl: wrote {', '.join(str(p) for p in written)}", "dim")
+            out.say(f"kvctl: wrote {', '.join(str(p) for p in written)}", "dim")
 
     def interrupted() -> str:  # what was read so far is reported, then exit 130
         summary.stopped_by = "interrupt"
@@ -276,6 +264,6 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         return summary.line()
 
     on_interrupt(interrupted, quiet)
-    read(sources, selection, limits, diagnostics, summary, collector.feed, on_open=on_open)
+    read(sources, selection, limits, out, summary, collector.feed, on_open=on_open)
     report()
-    diagnostics.say(f"kvctl: {summary.line()}", "dim")
+    out.say(f"kvctl: {summary.line()}", "dim")

@@ -322,12 +322,10 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
       kvctl top 0=tcp://10.0.0.1:5557 1=tcp://10.0.0.2:5557 --sort stores
       kvctl top nats://127.0.0.1:4222 --json --duration 10 | jq '.workers[].blocks_cached'
     """
-    from rich.console import Console
-
     from ..output import Output
 
     quiet = params["quiet"]
-    diagnostics = Output(as_json=params["as_json"], quiet=quiet)
+    out = Output(as_json=params["as_json"], quiet=quiet)
     as_json = params["as_json"]
     refresh = params["refresh"]
     sort_names = list(SORT_KEYS)
@@ -335,12 +333,8 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
     started = time.monotonic()
     model = TopModel(started)
     summary = Summary()
-    out = Console(
-        highlight=False,
-        soft_wrap=False,
-        width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160,
-    )
-    interactive = out.is_terminal and not as_json
+    screen = out.screen()
+    interactive = screen.is_terminal and not as_json
 
     def frame() -> Any:
         model.tick(time.monotonic())
@@ -369,8 +363,8 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         elif as_json:
             click.echo(frame())
         else:
-            out.print(frame())
-            out.print()
+            screen.print(frame())
+            screen.print()
             sys.stdout.flush()  # a pipe reader sees each snapshot when it is made
 
     next_refresh = started + refresh
@@ -415,7 +409,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
 
     def on_open(source: Any) -> None:
         if not interactive:
-            diagnostics.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
+            out.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
 
     live: Any = None
 
@@ -432,11 +426,15 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
                 from rich.live import Live
 
                 live = Live(
-                    frame(), console=out, auto_refresh=False, transient=False, redirect_stderr=False
+                    frame(),
+                    console=screen,
+                    auto_refresh=False,
+                    transient=False,
+                    redirect_stderr=False,
                 )
                 live.start()
             tick = make_tick(live, keys)
-            read(sources, selection, limits, diagnostics, summary, model.feed, tick, on_open)
+            read(sources, selection, limits, out, summary, model.feed, tick, on_open)
             on_interrupt(None)
             show(live)  # the final state stays on screen (or is the last snapshot printed)
             if live is not None:
@@ -447,4 +445,4 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
             live.stop()
     if view["quit"]:
         summary.stopped_by = "q"
-    diagnostics.say(f"kvctl: {summary.line()}", "dim")
+    out.say(f"kvctl: {summary.line()}", "dim")
