@@ -422,11 +422,15 @@ output_options = _group(
 )
 
 
-report_options = _group(
-    "out",
-    lambda params: Output(as_json=params.pop("as_json"), quiet=params.pop("quiet")),
-    json_report_option,
-    click.option(
-        "-q", "--quiet", is_flag=True, help="No progress, diagnostics or report on stderr."
-    ),
-)
+def reporting(quiet_help: str, json_option: F = json_report_option) -> Callable[[F], F]:
+    """``--json`` and ``-q`` of a command that ends with a report, reaching it as one
+    :class:`Output` (keyword ``out``); ``quiet_help`` says what that command's ``-q`` silences."""
+    return _group(
+        "out",
+        lambda params: Output(as_json=params.pop("as_json"), quiet=params.pop("quiet")),
+        json_option,
+        click.option("-q", "--quiet", is_flag=True, help=quiet_help),
+    )
+
+
+report_options = reporting("No progress, diagnostics or report on stderr.")

@@ -13,7 +13,8 @@ from ..checks import ERROR, INFO, RULES, WARNING, Checker, Finding, Report
 from ..errors import ExitCode
 from ..events import Batch
 from ..help import KvctlCommand
-from ..options import Sources, filter_options, json_report_option, limit_options, source_arguments
+from ..options import Sources, filter_options, limit_options, reporting, source_arguments
+from ..output import Output
 from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
@@ -122,9 +123,10 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
     metavar="N",
     help="Findings printed live and kept as examples, per rule.",
 )
-@json_report_option
-@click.option("-q", "--quiet", is_flag=True, help="No live findings or summary on stderr.")
-def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
+@reporting("No live findings or summary on stderr.")
+def command(
+    sources: Sources, selection: Filters, limits: Limits, out: Output, **params: Any
+) -> None:
     """Check KV-event streams for what breaks KV-aware routing.
 
     Reads SOURCEs like tap (ZMQ endpoints, NATS servers, or a recording) until a stop
@@ -145,10 +147,8 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
           --idle-timeout 30 --json > report.json
       kvctl check nats://127.0.0.1:4222 --num-blocks 8192 --fail-on warning -c 100000
     """
-    from ..output import Output
 
-    quiet = params["quiet"]
-    out = Output(as_json=params["as_json"], quiet=quiet)
+    quiet = out.quiet
     max_examples = params["max_examples"]
     checker = Checker(
         block_size=params["block_size"],
@@ -204,7 +204,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
         found = checker.finish(addresses)
         fail = failed(found, params["fail_on"])
         code = ExitCode.INTERRUPTED if interrupted else ExitCode.FINDINGS if fail else ExitCode.OK
-        if params["as_json"]:
+        if out.as_json:
             out.json(
                 {
                     **found.to_json(),

@@ -8,19 +8,17 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
 from ..events import Batch, Event
 from ..help import KvctlCommand
-from ..options import Sources, filter_options, json_report_option, limit_options, source_arguments
+from ..options import Sources, filter_options, limit_options, reporting, source_arguments
+from ..output import Output
 from ..pipeline import Emptied, Gap, Item, Malformed, Narrowed
 from ..selection import Filters, Limits
 from ..text import plural
-
-if TYPE_CHECKING:
-    from ..output import Output
 
 _SIZE_UNITS: dict[str, float] = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME_UNITS: dict[str, float] = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -74,9 +72,10 @@ def _parse(value: str | None, units: dict[str, float], what: str) -> float | Non
 )
 @filter_options
 @limit_options
-@json_report_option
-@click.option("-q", "--quiet", is_flag=True, help="No progress line, diagnostics or summary.")
-def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
+@reporting("No progress line, diagnostics or summary.")
+def command(
+    sources: Sources, selection: Filters, limits: Limits, out: Output, **params: Any
+) -> None:
     """Record KV-event streams to Parquet, one row per event, raw bytes kept.
 
     Takes the same SOURCEs and options as tap. Malformed messages and sequence gaps are
@@ -91,7 +90,6 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
       duckdb -c "SELECT type, count(*) FROM 'run.parquet' GROUP BY 1"
     """
     from ..errors import TransportError, UsageError
-    from ..output import Output
     from ..pipeline import LiveSource, Summary, run
     from ..recording.disk import OutputExists
     from ..recording.layout import output_conflict
@@ -116,7 +114,6 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
     if conflict is not None:  # before any source is opened: nothing of the user's is touched
         raise UsageError(conflict)
     _check_writable(params["output"])
-    out = Output(as_json=params["as_json"], quiet=params["quiet"])
     source = open_source(sources, out)
     try:
         writer = RecordingWriter(
@@ -151,7 +148,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
             summary.stopped_by = "interrupt"
         if write_error is not None:  # what was flushed is recoverable; say how much that is
             raise _write_error(write_error, writer, summary, params["output"])
-        if params["as_json"]:
+        if out.as_json:
             out.json({"summary": summary.to_json(), "recording": result})
         return (
             f"recorded {summary.line()} -> {params['output']} "
@@ -180,7 +177,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
             write_error = exc
         # Ctrl-C stopped the recording (not its closing, which a second one would cut
         # short): the recording is closed, report it
-        on_interrupt(lambda: closing_words(interrupted=True), params["quiet"])
+        on_interrupt(lambda: closing_words(interrupted=True), out.quiet)
     out.say("kvctl: " + closing_words(interrupted=False), "dim")
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from ..help import KvctlCommand
-from ..options import json_report_option
+from ..options import reporting
+from ..output import Output
 from ..text import plural
 
 
@@ -18,9 +19,8 @@ from ..text import plural
     help="Write the recovered recording here (a new file) instead of the journal's "
     "own recording path, e.g. when that path already holds another recording.",
 )
-@json_report_option
-@click.option("-q", "--quiet", is_flag=True, help="No summary on stderr (errors excepted).")
-def command(path: str, output: str | None, as_json: bool, quiet: bool) -> None:
+@reporting("No summary on stderr (errors excepted).")
+def command(path: str, output: str | None, out: Output) -> None:
     """Convert the journal of a recorder that was killed (kill -9, power loss) to Parquet.
 
     PATH is the journal (run.parquet.journal), the recording path it belongs to (run.parquet),
@@ -37,7 +37,6 @@ def command(path: str, output: str | None, as_json: bool, quiet: bool) -> None:
       kvctl recover segments/ && kvctl inspect segments/
     """
     from ..errors import TransportError
-    from ..output import dumps
     from ..recording.disk import OutputExists
     from ..recording.info import recording_info
     from ..recording.journal import NotAJournal
@@ -56,9 +55,9 @@ def command(path: str, output: str | None, as_json: bool, quiet: bool) -> None:
         ) from None
     except ValueError as exc:
         raise TransportError(f"{path}: cannot recover: {exc}") from None
-    if as_json:
-        click.echo(dumps({"path": str(recovered), **info}))
-    elif not quiet:
+    if out.as_json:
+        out.json({"path": str(recovered), **info})
+    elif not out.quiet:
         click.echo(
             f"kvctl: recovered {recovered}: {plural(info.get('batches', 0), 'batch')}, "
             f"{plural(info.get('events', 0), 'event')}, {info.get('malformed', 0)} "

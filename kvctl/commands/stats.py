@@ -8,7 +8,8 @@ import click
 
 from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from ..help import KvctlCommand
-from ..options import Sources, filter_options, json_report_option, limit_options, source_arguments
+from ..options import Sources, filter_options, limit_options, reporting, source_arguments
+from ..output import Output
 from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
@@ -205,9 +206,10 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
     help="KV-cache capacity per worker in blocks, if known: drawn as the capacity "
     "line of occupancy.png.",
 )
-@json_report_option
-@click.option("-q", "--quiet", is_flag=True, help="No progress or summary on stderr.")
-def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
+@reporting("No progress or summary on stderr.")
+def command(
+    sources: Sources, selection: Filters, limits: Limits, out: Output, **params: Any
+) -> None:
     """Summarise KV-event streams: per worker and overall.
 
     Reads SOURCEs like tap (ZMQ endpoints, NATS servers, or a recording) until a stop
@@ -229,15 +231,13 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
       kvctl stats run.parquet --num-blocks 4096 --plot charts/
       kvctl stats nats://127.0.0.1:4222 -c 100000 --json | jq .reuse
     """
-    from ..output import Output
     from ..stats import StatsCollector
 
     if params["plot_dir"]:
         from ..plots import require_matplotlib
 
         require_matplotlib()  # before a capture that may take minutes
-    quiet = params["quiet"]
-    out = Output(as_json=params["as_json"], quiet=quiet)
+    quiet = out.quiet
     collector = StatsCollector(bucket_s=params["interval"])
 
     def on_open(source: Any) -> None:
@@ -248,7 +248,7 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
     def report() -> None:
         on_interrupt(None)
         result = collector.result()
-        if params["as_json"]:
+        if out.as_json:
             out.json({**result, "stream": summary.to_json()})
         else:
             print_stats(result, summary, out.wide_stdout())

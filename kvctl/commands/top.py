@@ -16,8 +16,10 @@ from ..options import (
     filter_options,
     json_snapshots_option,
     limit_options,
+    reporting,
     source_arguments,
 )
+from ..output import Output
 from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
@@ -304,9 +306,10 @@ class Keys:
     metavar="SECONDS",
     help="Seconds between screen updates (and rate windows).",
 )
-@json_snapshots_option
-@click.option("-q", "--quiet", is_flag=True, help="No messages or summary on stderr.")
-def command(sources: Sources, selection: Filters, limits: Limits, **params: Any) -> None:
+@reporting("No messages or summary on stderr.", json_snapshots_option)
+def command(
+    sources: Sources, selection: Filters, limits: Limits, out: Output, **params: Any
+) -> None:
     """Watch KV-event streams live: one row per worker, refreshed every second.
 
     Columns: blocks cached, blocks stored and removed per second, batches per second, last
@@ -322,11 +325,9 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
       kvctl top 0=tcp://10.0.0.1:5557 1=tcp://10.0.0.2:5557 --sort stores
       kvctl top nats://127.0.0.1:4222 --json --duration 10 | jq '.workers[].blocks_cached'
     """
-    from ..output import Output
 
-    quiet = params["quiet"]
-    out = Output(as_json=params["as_json"], quiet=quiet)
-    as_json = params["as_json"]
+    quiet = out.quiet
+    as_json = out.as_json
     refresh = params["refresh"]
     sort_names = list(SORT_KEYS)
     view = {"sort": params["sort"], "reverse": params["reverse"], "quit": False}
