@@ -117,7 +117,7 @@ def test_a_huge_batch_reads_back_in_linear_time(tmp_path):
     from kvctl.recording.reader import open_recording
     from kvctl.recording.writer import RecordingWriter
 
-    def seconds_to_read(n: int) -> float:
+    def cpu_seconds_to_read(n: int) -> float:
         events = [{"type": "BlockRemoved", "block_hashes": [i]} for i in range(n)]
         payload = ez.encode_payload(events, 1.5, 0, "vllm")
         path = tmp_path / f"big-{n}.parquet"
@@ -125,12 +125,12 @@ def test_a_huge_batch_reads_back_in_linear_time(tmp_path):
         w.write_message(decode_zmq(ez.encode_frames(b"", 0, payload), "tcp://127.0.0.1:1"))
         w.close()
         best = float("inf")
-        for _ in range(2):
-            start = time.perf_counter()
+        for _ in range(3):  # CPU time: the other test workers on this machine do not count
+            start = time.process_time()
             got = list(open_recording(path, batch_size=1024))
-            best = min(best, time.perf_counter() - start)
+            best = min(best, time.process_time() - start)
         assert len(got) == 1 and len(got[0].events) == n
         return best
 
-    small, large = seconds_to_read(20_000), seconds_to_read(80_000)
+    small, large = cpu_seconds_to_read(20_000), cpu_seconds_to_read(80_000)
     assert large / small < 8, (small, large)  # linear: ~4; quadratic: ~16
