@@ -12,8 +12,11 @@ absent keys stay distinct. Pure conversion only.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Iterable
-from itertools import chain
+from functools import partial
+from itertools import accumulate, chain, repeat
+from operator import attrgetter
 from typing import Any
 
 import pyarrow as pa
@@ -86,13 +89,14 @@ def _hash_ints(v: list[Any]) -> tuple[list[Any], bool, bool] | None:
 class _Columns:
     """Column lists being filled row by row (one append per column per row)."""
 
-    __slots__ = ("data", "layouts", "plans", "pending")
+    __slots__ = ("data", "layouts", "plans", "pending", "batch_extras")
 
     def __init__(self) -> None:
         self.data: dict[str, list[Any]] = {n: [] for n in COLUMN_NAMES}
         self.layouts: dict[tuple[Any, ...], str] = {}
         self.plans: dict[tuple[Any, ...] | None, str] = {}
         self.pending: list[tuple[int, Event, Batch]] = []
+        self.batch_extras: dict[tuple[Any, ...], str] = {}
 
 
 def batches_to_record_batch(
@@ -119,12 +123,18 @@ def _to_record_batch(
 ) -> pa.RecordBatch:
     cols = _Columns()
     index = first_batch_index
+    run: list[Batch] = []
     for batch in batches:
         if isinstance(batch, Gap):
+            if run:
+                _add_batches(cols, run, index, raw_frames)
+                index += len(run)
+                run = []
             _add_gap(cols, batch)
         else:
-            _add_batch(cols, batch, index, raw_frames)
-            index += 1
+            run.append(batch)
+    if run:
+        _add_batches(cols, run, index, raw_frames)
     _fill_events(cols)
     arrays = [pa.array(cols.data[n], type=t) for n, t, _ in COLUMNS]
     return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
@@ -154,46 +164,63 @@ def _deep_ones_malformed(
     return pa.Table.from_batches(parts, SCHEMA).combine_chunks().to_batches()[0]
 
 
-def _batch_values(batch: Batch | Gap) -> tuple[list[Any], dict[str, Any]]:
-    """The repeated batch columns (recv_ns .. worker_id/dp_rank) and batch_extra entries."""
-    bx: dict[str, Any] = {}
+# The repeated batch columns, in schema order: the types a value must have to go in its column
+# as is, its integer bounds, and whether a misfit is shown as text (else null). A misfit's exact
+# value goes to batch_extra, under its name, in this order (then error, recovered).
+_BATCH_FITS: tuple[tuple[str, frozenset[type], tuple[int, int] | None, bool], ...] = (
+    ("recv_ns", frozenset({int}), (-I63, I63), False),
+    ("ts", frozenset({float, type(None)}), None, False),
+    ("source", frozenset({str}), None, True),
+    ("topic", frozenset({str}), None, True),
+    ("publisher", frozenset({str, type(None)}), None, True),
+    ("seq", frozenset({int, type(None)}), (0, U64), False),
+    ("worker_id", frozenset({str, type(None)}), None, True),
+    ("dp_rank", frozenset({int, type(None)}), (-I63, I63), False),
+    ("format", frozenset({str}), None, True),
+    ("error", frozenset({str, type(None)}), None, False),
+    ("recovered", frozenset({bool}), None, False),
+)
+_BATCH_FIELDS = attrgetter(*(name for name, _, _, _ in _BATCH_FITS), "frames", "events")
+# batch_extra values whose JSON equality implies (type included in the key): cached per stream.
+_CACHEABLE = frozenset({int, str, bool, type(None)})
+_NO_EVENT = object()  # the row of a batch without events
 
-    def fit(name: str, value: Any, ok: bool, shown: Any = None) -> Any:
-        if ok:
-            return value
-        bx[name] = to_json_value(value)
-        return shown
 
-    recv_ns = batch.recv_ns
-    recv = fit("recv_ns", recv_ns, type(recv_ns) is int and -I63 <= recv_ns < I63)
-    source = fit("source", batch.source, type(batch.source) is str, _display(batch.source))
-    publisher = batch.publisher
-    pub = fit(
-        "publisher", publisher, publisher is None or type(publisher) is str, _display(publisher)
-    )
-    if isinstance(batch, Gap):
-        return [recv, None, source, None, pub, None, None, None, None], bx
-    ts, seq, worker, dp = batch.ts, batch.seq, batch.worker_id, batch.dp_rank
+def _misfits(
+    values: list[Any], ok: frozenset[type], bounds: tuple[int, int] | None
+) -> Iterable[int]:
+    """Positions of the values that do not go in their column as they are (one C-level pass
+    over the types, and one over the numbers, when all fit: the common case)."""
+    types = set(map(type, values))
+    if types <= ok:
+        if bounds is None:
+            return ()
+        nums = [v for v in values if v is not None] if type(None) in types else values
+        if not nums or (bounds[0] <= min(nums) and max(nums) < bounds[1]):
+            return ()
+    lo, hi = bounds or (0, 0)
     return [
-        recv,
-        fit("ts", ts, ts is None or type(ts) is float),
-        source,
-        fit("topic", batch.topic, type(batch.topic) is str, _display(batch.topic)),
-        pub,
-        fit("seq", seq, seq is None or (type(seq) is int and 0 <= seq < U64)),
-        fit("worker_id", worker, worker is None or type(worker) is str, _display(worker)),
-        fit("dp_rank", dp, dp is None or (type(dp) is int and -I63 <= dp < I63)),
-        fit("format", batch.format, type(batch.format) is str, _display(batch.format)),
-    ], bx
+        i
+        for i, v in enumerate(values)
+        if type(v) not in ok or (bounds is not None and v is not None and not lo <= v < hi)
+    ]
 
 
 def _add_gap(cols: _Columns, gap: Gap) -> None:
     d = cols.data
-    values, bx = _batch_values(gap)
+    bx: dict[str, Any] = {}
+    recv_ns, source, publisher = gap.recv_ns, gap.source, gap.publisher
+    if type(recv_ns) is not int or not -I63 <= recv_ns < I63:
+        bx["recv_ns"], recv_ns = to_json_value(recv_ns), None
+    if type(source) is not str:
+        bx["source"], source = to_json_value(source), _display(source)
+    if publisher is not None and type(publisher) is not str:
+        bx["publisher"], publisher = to_json_value(publisher), _display(publisher)
+    from_seq = gap.from_seq
+    seq = from_seq if type(from_seq) is int and 0 <= from_seq < U64 else None
+    values = [recv_ns, None, source, None, publisher, seq, None, None, None]
     for name, v in zip(BATCH_COLUMNS, values, strict=True):
         d[name].append(v)
-    from_seq = gap.from_seq
-    d["seq"][-1] = from_seq if type(from_seq) is int and 0 <= from_seq < U64 else None
     extra = {"from_seq": gap.from_seq, "to_seq": gap.to_seq, "missing": gap.missing}
     row = {
         "batch_index": None,
@@ -207,44 +234,87 @@ def _add_gap(cols: _Columns, gap: Gap) -> None:
         d[name].append(row.get(name))
 
 
-def _add_batch(cols: _Columns, batch: Batch, index: int, raw_frames: str) -> None:
+def _add_batches(cols: _Columns, batches: list[Batch], index: int, raw_frames: str) -> None:
+    """Rows of consecutive batches, column by column: one row per event (one for a batch
+    without events), batch values repeated on each; the event columns are left to
+    :func:`_fill_events`."""
     d = cols.data
-    values, bx = _batch_values(batch)
-    if type(batch.error) is not str and batch.error is not None:
-        bx["error"] = to_json_value(batch.error)
-    if type(batch.recovered) is not bool:
-        bx["recovered"] = to_json_value(batch.recovered)
-    frames = [bytes(f) for f in batch.frames]
-    codec = frames_recipe(batch) if raw_frames == "auto" else None
-    events = batch.events
-    n = max(1, len(events))
-    for name, v in zip(BATCH_COLUMNS, values, strict=True):
-        d[name].extend([v] * n)
-    d["batch_index"].extend([index] * n)
-    d["recovered"].extend([batch.recovered is True] * n)
-    d["error"].append(batch.error if type(batch.error) is str else None)
-    d["raw_size"].append(sum(map(len, frames)))
-    d["frames"].append(None if codec else frames)
-    d["frames_codec"].append(codec)
-    d["batch_extra"].append(dumps(bx) if bx else None)
-    if n > 1:
-        rest = [None] * (n - 1)
-        for name in ("error", "raw_size", "frames", "frames_codec", "batch_extra"):
-            d[name].extend(rest)
-    if not events:
-        d["event_index"].append(None)
-        d["type"].append(MALFORMED if batch.error is not None else None)
-        for name in _EVENT_COLS:
-            d[name].append(None)
-        d["hash_signed"].append(None)
-        d["extra"].append(None)
-        d["fields"].append(None)
-        return
-    d["event_index"].extend(range(len(events)))
-    row = len(d["type"])
+    row0 = len(d["type"])
+    *values, frames, events = map(list, zip(*map(_BATCH_FIELDS, batches), strict=True))
+    extras: dict[int, list[tuple[str, Any]]] = {}
+    for (name, ok, bounds, shown), col in zip(_BATCH_FITS, values, strict=True):
+        for i in _misfits(col, ok, bounds):
+            v = col[i]
+            extras.setdefault(i, []).append((name, v))
+            if name not in ("error", "recovered"):
+                col[i] = _display(v) if shown else None
+    *batch_values, raw_error, recovered = values
+    error = [e if type(e) is str else None for e in raw_error] if extras else raw_error
+    batch_extra: list[str | None] = [None] * len(batches)
+    cache = cols.batch_extras
+    for i, entries in extras.items():
+        key = None
+        if all(type(v) in _CACHEABLE for _, v in entries):
+            key = tuple((name, type(v), v) for name, v in entries)
+            text = cache.get(key)
+            if text is not None:
+                batch_extra[i] = text
+                continue
+        text = dumps({name: to_json_value(v) for name, v in entries})
+        if key is not None:
+            cache[key] = text
+        batch_extra[i] = text
+
+    if set(map(type, chain.from_iterable(frames))) <= {bytes}:
+        raw_size = [sum(map(len, f)) for f in frames]
+    else:  # a library caller's bytearray/memoryview frames
+        frames = [[bytes(f) for f in fs] for fs in frames]
+        raw_size = [sum(map(len, f)) for f in frames]
+    if raw_frames == "auto":
+        codecs = list(map(frames_recipe, batches))
+        frames = [None if c else f for f, c in zip(frames, codecs, strict=True)]
+    else:
+        codecs = [None] * len(batches)
+
+    counts = [len(e) or 1 for e in events]
+    total = sum(counts)
+    repeated = partial(map, repeat)
+    for name, col in zip(BATCH_COLUMNS, batch_values, strict=True):
+        d[name].extend(chain.from_iterable(repeated(col, counts)))
+    d["batch_index"].extend(
+        chain.from_iterable(repeated(range(index, index + len(counts)), counts))
+    )
+    recovered_col = [r is True for r in recovered]
+    d["recovered"].extend(chain.from_iterable(repeated(recovered_col, counts)))
+    d["event_index"].extend(chain.from_iterable(range(len(e)) if e else (None,) for e in events))
+    starts = list(accumulate(counts, initial=row0))[:-1]
+    if total == len(batches):  # one row per batch: the columns are the per-batch lists
+        firsts = [error, raw_size, frames, codecs, batch_extra]
+    else:
+        firsts = []
+        offsets = [s - row0 for s in starts]
+        for col in (error, raw_size, frames, codecs, batch_extra):
+            rows: list[Any] = [None] * total
+            deque(map(rows.__setitem__, offsets, col), maxlen=0)
+            firsts.append(rows)
+    for name, col in zip(_FIRST_ROW_COLS, firsts, strict=True):
+        d[name].extend(col)
     for name in _ROW_EVENT_COLS:
-        d[name].extend([None] * n)  # filled by _fill_events, column by column
-    cols.pending.extend(zip(range(row, row + n), events, [batch] * n, strict=True))
+        d[name].extend([None] * total)  # event rows are filled by _fill_events
+    types = d["type"]
+    for start, e, err in zip(starts, events, raw_error, strict=True):
+        if not e and err is not None:
+            types[start] = MALFORMED
+    row_events = chain.from_iterable(e or (_NO_EVENT,) for e in events)
+    row_batches = chain.from_iterable(repeated(batches, counts))
+    cols.pending.extend(
+        item
+        for item in zip(range(row0, row0 + total), row_events, row_batches, strict=True)
+        if item[1] is not _NO_EVENT
+    )
+
+
+_FIRST_ROW_COLS = ("error", "raw_size", "frames", "frames_codec", "batch_extra")
 
 
 def _fill_events(cols: _Columns) -> None:
