@@ -209,7 +209,9 @@ def _misfits(
 def _add_gap(cols: _Columns, gap: Gap) -> None:
     d = cols.data
     bx: dict[str, Any] = {}
-    recv_ns, source, publisher = gap.recv_ns, gap.source, gap.publisher
+    recv_ns: Any = gap.recv_ns
+    source: Any = gap.source
+    publisher: Any = gap.publisher
     if type(recv_ns) is not int or not -I63 <= recv_ns < I63:
         bx["recv_ns"], recv_ns = to_json_value(recv_ns), None
     if type(source) is not str:
