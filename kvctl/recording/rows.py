@@ -99,10 +99,16 @@ class _Columns:
         self.batch_extras: dict[tuple[Any, ...], str] = {}
 
 
+class UntypedEvent(Exception):
+    """Raised with ``typed_only``: an event does not fit the typed columns as it is."""
+
+
 def batches_to_record_batch(
     batches: Iterable[Batch | Gap],
     first_batch_index: int = 0,
     raw_frames: str = "auto",
+    *,
+    typed_only: bool = False,
 ) -> pa.RecordBatch:
     """Convert batches (and :class:`Gap` markers) to one Arrow record batch of :data:`SCHEMA`.
 
@@ -110,16 +116,20 @@ def batches_to_record_batch(
     ``raw_frames="auto"`` leaves ``frames`` null when the columns rebuild them byte for byte
     (engine batches encoded canonically: the common case, and half the bytes on disk);
     ``"always"`` stores them regardless.
+    ``typed_only``: raise :class:`UntypedEvent` rather than convert an event that is not a map
+    of typed fields whose values all fit their columns (the converter's fast decoder skips the
+    decoders' per-event checks, which such events pass by construction, and decodes any
+    other batch again the tolerant way).
     """
     batches = list(batches)
     try:
-        return _to_record_batch(batches, first_batch_index, raw_frames)
+        return _to_record_batch(batches, first_batch_index, raw_frames, typed_only)
     except (NestingTooDeep, RecursionError):
-        return _deep_ones_malformed(batches, first_batch_index, raw_frames)
+        return _deep_ones_malformed(batches, first_batch_index, raw_frames, typed_only)
 
 
 def _to_record_batch(
-    batches: list[Batch | Gap], first_batch_index: int, raw_frames: str
+    batches: list[Batch | Gap], first_batch_index: int, raw_frames: str, typed_only: bool
 ) -> pa.RecordBatch:
     cols = _Columns()
     index = first_batch_index
@@ -135,13 +145,13 @@ def _to_record_batch(
             run.append(batch)
     if run:
         _add_batches(cols, run, index, raw_frames)
-    _fill_events(cols)
+    _fill_events(cols, typed_only)
     arrays = [pa.array(cols.data[n], type=t) for n, t, _ in COLUMNS]
     return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
 
 
 def _deep_ones_malformed(
-    batches: list[Batch | Gap], first_batch_index: int, raw_frames: str
+    batches: list[Batch | Gap], first_batch_index: int, raw_frames: str, typed_only: bool
 ) -> pa.RecordBatch:
     """The rare slow path: batch by batch, a batch holding a value nested too deep becomes a
     Malformed row that keeps its raw frames (the bytes are the record of what arrived)."""
@@ -149,7 +159,7 @@ def _deep_ones_malformed(
     index = first_batch_index
     for batch in batches:
         try:
-            parts.append(_to_record_batch([batch], index, raw_frames))
+            parts.append(_to_record_batch([batch], index, raw_frames, typed_only))
         except (NestingTooDeep, RecursionError):
             assert type(batch) is Batch
             bad = dataclasses.replace(
@@ -158,7 +168,7 @@ def _deep_ones_malformed(
                 error=f"not recorded as events: a value "
                 f"nests deeper than {MAX_DEPTH} levels (raw frames kept)",
             )
-            parts.append(_to_record_batch([bad], index, raw_frames))
+            parts.append(_to_record_batch([bad], index, raw_frames, typed_only))
         if type(batch) is not Gap:
             index += 1
     return pa.Table.from_batches(parts, SCHEMA).combine_chunks().to_batches()[0]
@@ -319,7 +329,7 @@ def _add_batches(cols: _Columns, batches: list[Batch], index: int, raw_frames: s
 _FIRST_ROW_COLS = ("error", "raw_size", "frames", "frames_codec", "batch_extra")
 
 
-def _fill_events(cols: _Columns) -> None:
+def _fill_events(cols: _Columns, typed_only: bool) -> None:
     """Event columns for every pending event. Events whose keys all have typed columns (vLLM,
     SGLang, seed) are converted column-wise, their values checked in bulk (one pass over all
     token ids instead of one per event: 3x faster); anything a bulk check rejects, and every
@@ -338,9 +348,13 @@ def _fill_events(cols: _Columns) -> None:
             slow.append(item)
         else:
             fast.append((item[0], ev, layout))
+    if typed_only and slow:
+        raise UntypedEvent
     if fast:
         slow.extend(_fill_fast(d, fast, pending))
     if slow:
+        if typed_only:
+            raise UntypedEvent
         tmp: dict[str, list[Any]] = {name: [] for name in _ROW_EVENT_COLS}
         for _, ev, batch in slow:
             n0 = len(tmp["type"])
