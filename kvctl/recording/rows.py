@@ -12,6 +12,7 @@ absent keys stay distinct. Pure conversion only.
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections import deque
 from collections.abc import Iterable
 from functools import partial
@@ -19,6 +20,7 @@ from itertools import accumulate, chain, repeat
 from operator import attrgetter
 from typing import Any
 
+import msgspec
 import pyarrow as pa
 
 from ..events import MAX_DEPTH, Batch, Event
@@ -116,8 +118,9 @@ def batches_to_record_batch(
     ``raw_frames="auto"`` leaves ``frames`` null when the columns rebuild them byte for byte
     (engine batches encoded canonically: the common case, and half the bytes on disk);
     ``"always"`` stores them regardless.
-    ``typed_only``: raise :class:`UntypedEvent` rather than convert an event that is not a map
-    of typed fields whose values all fit their columns (the converter's fast decoder skips the
+    ``typed_only``, for events straight from the msgpack decoder (plain ints, never an int
+    subclass): raise :class:`UntypedEvent` rather than convert an event that is not a map of
+    typed fields whose values all fit their columns (the converter's fast decoder skips the
     decoders' per-event checks, which such events pass by construction, and decodes any
     other batch again the tolerant way).
     """
@@ -146,7 +149,7 @@ def _to_record_batch(
     if run:
         _add_batches(cols, run, index, raw_frames)
     _fill_events(cols, typed_only)
-    arrays = [pa.array(cols.data[n], type=t) for n, t, _ in COLUMNS]
+    arrays = [_array(n, cols.data[n], t) for n, t, _ in COLUMNS]
     return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
 
 
@@ -328,6 +331,36 @@ def _add_batches(cols: _Columns, batches: list[Batch], index: int, raw_frames: s
 
 _FIRST_ROW_COLS = ("error", "raw_size", "frames", "frames_codec", "batch_extra")
 
+_ints = partial(msgspec.convert, type=list[int])
+"""Checks a list holds ints only (bools refused; int subclasses taken: see ``plain_ints``)."""
+# ``array`` type codes whose range is exactly that of a column's unsigned elements.
+_U32 = next((c for c in "IL" if array(c).itemsize == 4), None)
+_U64 = next((c for c in "LQ" if array(c).itemsize == 8), None)
+_INT_LISTS = {"token_ids": _U32, "block_hashes": _U64, "tokens_hashes": _U64}
+
+
+def _array(name: str, values: list[Any], t: pa.DataType) -> pa.Array:
+    """One column of the record batch. Lists of unsigned ints (token ids: most of the values)
+    go through an ``array`` buffer, 3x faster than Arrow's conversion of Python lists."""
+    typecode = _INT_LISTS.get(name)
+    if typecode is not None:
+        try:
+            return _int_list_array(values, t, typecode)
+        except (TypeError, OverflowError):  # a null element (tokens_hashes may hold one)
+            pass
+    return pa.array(values, type=t)
+
+
+def _int_list_array(values: list[Any], t: pa.DataType, typecode: str) -> pa.Array:
+    flat = array(typecode, list(chain.from_iterable(v for v in values if v)))
+    offsets = array("i", accumulate((0 if v is None else len(v) for v in values), initial=0))
+    return pa.ListArray.from_arrays(
+        pa.Array.from_buffers(pa.int32(), len(offsets), [None, pa.py_buffer(offsets)]),
+        pa.Array.from_buffers(t.value_type, len(flat), [None, pa.py_buffer(flat)]),
+        type=t,
+        mask=pa.array([v is None for v in values]) if None in values else None,
+    )
+
 
 def _fill_events(cols: _Columns, typed_only: bool) -> None:
     """Event columns for every pending event. Events whose keys all have typed columns (vLLM,
@@ -351,7 +384,7 @@ def _fill_events(cols: _Columns, typed_only: bool) -> None:
     if typed_only and slow:
         raise UntypedEvent
     if fast:
-        slow.extend(_fill_fast(d, fast, pending))
+        slow.extend(_fill_fast(d, fast, pending, typed_only))
     if slow:
         if typed_only:
             raise UntypedEvent
@@ -376,8 +409,11 @@ def _fill_fast(
     d: dict[str, list[Any]],
     fast: list[tuple[int, Event, str]],
     pending: list[tuple[int, Event, Batch]],
+    plain_ints: bool,
 ) -> list[tuple[int, Event, Batch]]:
-    """Fill typed columns for ``fast`` events; return the ones that must take the slow path."""
+    """Fill typed columns for ``fast`` events; return the ones that must take the slow path.
+    ``plain_ints``: the values come from the msgpack decoder (no int subclass to refuse), so
+    msgspec checks the types and an ``array`` of the column's width the range, in C."""
     evs = [ev for _, ev, _ in fast]
     bad: set[int] = set()
 
@@ -396,12 +432,22 @@ def _fill_fast(
 
         return ok
 
-    def int_lists(lo: int, hi: int) -> Any:
+    def int_lists(lo: int, hi: int, typecode: str | None = None) -> Any:
         def ok(vals: list[Any], bulk: bool) -> bool:
             flat = list(chain.from_iterable(v for v in vals if v))
-            if not set(map(type, flat)) <= {int}:
+            if not flat:
+                return True
+            if plain_ints:
+                try:
+                    _ints(flat)  # refuses bools, which the range checks below would take
+                    if typecode is not None:
+                        array(typecode, flat)  # OverflowError outside [lo, hi)
+                        return True
+                except (msgspec.ValidationError, OverflowError):
+                    return False
+            elif not set(map(type, flat)) <= {int}:
                 return False
-            return not flat or (lo <= min(flat) and max(flat) < hi)
+            return lo <= min(flat) and max(flat) < hi
 
         return ok
 
@@ -410,12 +456,12 @@ def _fill_fast(
 
     none, lst = type(None), list
     types = check("type", {str}, anything)
-    tokens = check("token_ids", {lst, none}, int_lists(0, 1 << 32))
+    tokens = check("token_ids", {lst, none}, int_lists(0, 1 << 32, _U32))
     block_size = check("block_size", {int, none}, ints(-I31, I31))
     lora_id = check("lora_id", {int, none}, ints(-I63, I63))
     event_id = check("event_id", {int, none}, ints(0, U64))
     strs = {n: check(n, {str, none}, anything) for n in ("lora_name", "medium", "storage_tier")}
-    th = check("tokens_hashes", {lst, none}, int_lists(0, U64))
+    th = check("tokens_hashes", {lst, none}, int_lists(0, U64, _U64))
     hashes = check("block_hashes", {lst, none}, int_lists(-I63, U64))
     parents = check("parent_block_hash", {int, none}, ints(-I63, U64))
     # Signedness is per event: a negative hash means a signed producer; one that also has a
