@@ -293,21 +293,27 @@ def _add_batches(cols: _Columns, batches: list[Batch], index: int, raw_frames: s
 
     counts = [len(e) or 1 for e in events]
     total = sum(counts)
-    repeated = partial(map, repeat)
-    for name, col in zip(BATCH_COLUMNS, batch_values, strict=True):
-        d[name].extend(chain.from_iterable(repeated(col, counts)))
-    d["batch_index"].extend(
-        chain.from_iterable(repeated(range(index, index + len(counts)), counts))
+    one_row_each = total == len(batches)
+    # the batch of each row: per-batch lists become per-row ones by one C-level map each
+    owner = (
+        [] if one_row_each else list(chain.from_iterable(map(repeat, range(len(counts)), counts)))
     )
-    recovered_col = [r is True for r in recovered]
-    d["recovered"].extend(chain.from_iterable(repeated(recovered_col, counts)))
-    d["event_index"].extend(chain.from_iterable(range(len(e)) if e else (None,) for e in events))
-    starts = list(accumulate(counts, initial=row0))[:-1]
-    if total == len(batches):  # one row per batch: the columns are the per-batch lists
+
+    def per_row(col: list[Any]) -> list[Any]:
+        return col if one_row_each else list(map(col.__getitem__, owner))
+
+    for name, col in zip(BATCH_COLUMNS, batch_values, strict=True):
+        d[name].extend(per_row(col))
+    d["batch_index"].extend(per_row(list(range(index, index + len(counts)))))
+    d["recovered"].extend(per_row([r is True for r in recovered]))
+    if one_row_each:
         firsts = [error, raw_size, frames, codecs, batch_extra]
     else:
+        d["event_index"].extend(
+            chain.from_iterable(range(len(e)) if e else (None,) for e in events)
+        )
         firsts = []
-        offsets = [s - row0 for s in starts]
+        offsets = list(accumulate(counts, initial=0))[:-1]
         for col in (error, raw_size, frames, codecs, batch_extra):
             rows: list[Any] = [None] * total
             deque(map(rows.__setitem__, offsets, col), maxlen=0)
@@ -316,17 +322,33 @@ def _add_batches(cols: _Columns, batches: list[Batch], index: int, raw_frames: s
         d[name].extend(col)
     for name in _ROW_EVENT_COLS:
         d[name].extend([None] * total)  # event rows are filled by _fill_events
-    types = d["type"]
-    for start, e, err in zip(starts, events, raw_error, strict=True):
-        if not e and err is not None:
-            types[start] = MALFORMED
-    row_events = chain.from_iterable(e or (_NO_EVENT,) for e in events)
-    row_batches = chain.from_iterable(repeated(batches, counts))
-    cols.pending.extend(
-        item
-        for item in zip(range(row0, row0 + total), row_events, row_batches, strict=True)
-        if item[1] is not _NO_EVENT
-    )
+    empty = [i for i, e in enumerate(events) if not e]
+    if one_row_each:
+        event_index: list[int | None] = [0] * total
+        for i in empty:
+            event_index[i] = None
+        d["event_index"].extend(event_index)
+    if empty:
+        types = d["type"]
+        starts = offsets if not one_row_each else range(total)
+        for i in empty:
+            if raw_error[i] is not None:
+                types[row0 + starts[i]] = MALFORMED
+        row_events = chain.from_iterable(e or (_NO_EVENT,) for e in events)
+        cols.pending.extend(
+            item
+            for item in zip(range(row0, row0 + total), row_events, per_row(batches), strict=True)
+            if item[1] is not _NO_EVENT
+        )
+    else:
+        cols.pending.extend(
+            zip(
+                range(row0, row0 + total),
+                chain.from_iterable(events),
+                per_row(batches),
+                strict=True,
+            )
+        )
 
 
 _FIRST_ROW_COLS = ("error", "raw_size", "frames", "frames_codec", "batch_extra")
