@@ -135,9 +135,8 @@ class Decoder:
             return pa.Table.from_batches(parts, SCHEMA).combine_chunks().to_batches()[0]
         rows = {name: rb.column(name).to_pylist() for name in _JOURNAL_COLUMNS}
         self.label_values.clear()  # bounded by a slice: labels may come from the wire
-        plain = self.plain_items(rows)
-        if plain is not None:
-            items, mismatches = plain
+        items = self.plain_items(rows)
+        if items is not None:
             try:
                 out = batches_to_record_batch(
                     items, self.next_index, self.raw_frames, typed_only=True
@@ -145,7 +144,6 @@ class Decoder:
             except UntypedEvent:
                 pass  # an event the typed columns do not hold as it is: the tolerant way
             else:
-                self.mismatches += mismatches
                 self.next_index += len(items)
                 return out
         tolerant = self.items(rows)
@@ -153,12 +151,12 @@ class Decoder:
         self.next_index += sum(1 for b in tolerant if type(b) is not Gap)
         return out
 
-    def plain_items(self, rows: dict[str, list[Any]]) -> tuple[list[Batch], int] | None:
+    def plain_items(self, rows: dict[str, list[Any]]) -> list[Batch] | None:
         """The fast decoder: when every row is an engine batch of the common shape (3 frames,
-        ``[ts, events, dp_rank]``, no filters), the batches :func:`~kvctl.formats.decode_zmq`
-        would return, decoded column by column without its per-event checks (the rows are
-        built with ``typed_only``, which refuses any event those checks could reject), and
-        the number of rows whose event count disagrees with the journal; else ``None``."""
+        ``[ts, events, dp_rank]``, every event recorded: no filters, no ``-c`` cut, nothing
+        malformed), the batches :func:`~kvctl.formats.decode_zmq` would return, decoded
+        column by column without its per-event checks (the rows are built with
+        ``typed_only``, which refuses any event those checks could reject); else ``None``."""
         frames = rows["frames"]
         if (
             self.filters is not None
@@ -182,14 +180,17 @@ class Decoder:
             return None
         events = [o[1] for o in objs]
         payload_dps = [o[2] if len(o) == 3 else None for o in objs]
-        if set(map(type, events)) != {list} or not set(map(type, payload_dps)) <= {int, NoneType}:
+        if (
+            set(map(type, events)) != {list}
+            or list(map(len, events)) != rows["events"]  # a cut hides events to check
+            or not set(map(type, payload_dps)) <= {int, NoneType}
+        ):
             return None
         seq_frames = [f[1] for f in frames]
         if set(map(len, seq_frames)) != {8}:
             return None
         out = []
-        mismatches = 0
-        for source, f, ts, evs, payload_dp, seq, recv_ns, w, dp, recovered, n in zip(
+        for source, f, ts, evs, payload_dp, seq, recv_ns, w, dp, recovered in zip(
             rows["source"],
             frames,
             stamps,
@@ -200,7 +201,6 @@ class Decoder:
             rows["worker_id"],
             rows["dp_rank"],
             rows["recovered"],
-            rows["events"],
             strict=True,
         ):
             topic_frame = f[0]
@@ -208,10 +208,6 @@ class Decoder:
             worker, dp_label = self.label(source, w, dp)
             if worker is None and topic:
                 worker = worker_from_topic(topic)
-            if len(evs) != n:
-                evs = evs[:n]
-                if len(evs) != n:
-                    mismatches += 1
             out.append(
                 Batch(
                     source,
@@ -229,7 +225,7 @@ class Decoder:
                     source,
                 )
             )
-        return out, mismatches
+        return out
 
     def label(self, source: str, worker: str | None, dp: str | None) -> tuple[Any, Any]:
         """The worker and dp rank labels of a journal row (tagged JSON, or the header's labels
