@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from array import array
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import partial
 from itertools import accumulate, chain, repeat
 from operator import attrgetter
@@ -111,6 +111,7 @@ def batches_to_record_batch(
     raw_frames: str = "auto",
     *,
     typed_only: bool = False,
+    recipes: Sequence[str | None] | None = None,
 ) -> pa.RecordBatch:
     """Convert batches (and :class:`Gap` markers) to one Arrow record batch of :data:`SCHEMA`.
 
@@ -123,46 +124,60 @@ def batches_to_record_batch(
     typed fields whose values all fit their columns (the converter's fast decoder skips the
     decoders' per-event checks, which such events pass by construction, and decodes any
     other batch again the tolerant way).
+    ``recipes``: with ``raw_frames="auto"``, what :func:`~kvctl.formats.frames_recipe` says of
+    each batch, when the caller knows it already (the converter checks a slice of engine
+    payloads in one msgpack call).
     """
     batches = list(batches)
     try:
-        return _to_record_batch(batches, first_batch_index, raw_frames, typed_only)
+        return _to_record_batch(batches, first_batch_index, raw_frames, typed_only, recipes)
     except (NestingTooDeep, RecursionError):
-        return _deep_ones_malformed(batches, first_batch_index, raw_frames, typed_only)
+        return _deep_ones_malformed(batches, first_batch_index, raw_frames, typed_only, recipes)
 
 
 def _to_record_batch(
-    batches: list[Batch | Gap], first_batch_index: int, raw_frames: str, typed_only: bool
+    batches: list[Batch | Gap],
+    first_batch_index: int,
+    raw_frames: str,
+    typed_only: bool,
+    recipes: Sequence[str | None] | None = None,
 ) -> pa.RecordBatch:
     cols = _Columns()
     index = first_batch_index
     run: list[Batch] = []
-    for batch in batches:
+    for pos, batch in enumerate(batches):
         if isinstance(batch, Gap):
             if run:
-                _add_batches(cols, run, index, raw_frames)
+                known = recipes[pos - len(run) : pos] if recipes is not None else None
+                _add_batches(cols, run, index, raw_frames, known)
                 index += len(run)
                 run = []
             _add_gap(cols, batch)
         else:
             run.append(batch)
     if run:
-        _add_batches(cols, run, index, raw_frames)
+        known = recipes[len(batches) - len(run) :] if recipes is not None else None
+        _add_batches(cols, run, index, raw_frames, known)
     _fill_events(cols, typed_only)
     arrays = [_array(n, cols.data[n], t) for n, t, _ in COLUMNS]
     return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
 
 
 def _deep_ones_malformed(
-    batches: list[Batch | Gap], first_batch_index: int, raw_frames: str, typed_only: bool
+    batches: list[Batch | Gap],
+    first_batch_index: int,
+    raw_frames: str,
+    typed_only: bool,
+    recipes: Sequence[str | None] | None,
 ) -> pa.RecordBatch:
     """The rare slow path: batch by batch, a batch holding a value nested too deep becomes a
     Malformed row that keeps its raw frames (the bytes are the record of what arrived)."""
     parts = []
     index = first_batch_index
-    for batch in batches:
+    for pos, batch in enumerate(batches):
+        known = recipes[pos : pos + 1] if recipes is not None else None
         try:
-            parts.append(_to_record_batch([batch], index, raw_frames, typed_only))
+            parts.append(_to_record_batch([batch], index, raw_frames, typed_only, known))
         except (NestingTooDeep, RecursionError):
             assert type(batch) is Batch
             bad = dataclasses.replace(
@@ -249,7 +264,13 @@ def _add_gap(cols: _Columns, gap: Gap) -> None:
         d[name].append(row.get(name))
 
 
-def _add_batches(cols: _Columns, batches: list[Batch], index: int, raw_frames: str) -> None:
+def _add_batches(
+    cols: _Columns,
+    batches: list[Batch],
+    index: int,
+    raw_frames: str,
+    recipes: Sequence[str | None] | None,
+) -> None:
     """Rows of consecutive batches, column by column: one row per event (one for a batch
     without events), batch values repeated on each; the event columns are left to
     :func:`_fill_events`."""
@@ -286,7 +307,7 @@ def _add_batches(cols: _Columns, batches: list[Batch], index: int, raw_frames: s
         frames = [[bytes(f) for f in fs] for fs in frames]
         raw_size = [sum(map(len, f)) for f in frames]
     if raw_frames == "auto":
-        codecs = list(map(frames_recipe, batches))
+        codecs = list(recipes) if recipes is not None else list(map(frames_recipe, batches))
         frames = [None if c else f for f, c in zip(frames, codecs, strict=True)]
     else:
         codecs = [None] * len(batches)
