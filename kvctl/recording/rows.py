@@ -510,7 +510,16 @@ def _fill_fast(
     # Signedness is per event: a negative hash means a signed producer; one that also has a
     # hash >= 2**63 (both conventions at once) cannot be flagged, so it goes the slow way.
     signed = [False] * len(evs)
+    try:
+        parent_values = [p for p in parents if p is not None]
+        any_negative = (bool(parent_values) and min(parent_values) < 0) or min(
+            chain.from_iterable(h for h in hashes if h), default=0
+        ) < 0
+    except TypeError:  # bytes hashes of an event already refused: look event by event
+        any_negative = True
     for i, (h, p) in enumerate(zip(hashes, parents, strict=True)):
+        if not any_negative:  # vLLM, Dynamo: unsigned hashes, nothing to flag
+            break
         if i in bad:
             continue
         neg = (p is not None and p < 0) or (bool(h) and min(h) < 0)
@@ -523,13 +532,10 @@ def _fill_fast(
                 hashes[i] = [x & MASK for x in h]
             if p is not None:
                 parents[i] = p & MASK
-    out = [
-        (r, ev, pending_batch)
-        for i, ((r, ev, _), pending_batch) in enumerate(
-            zip(fast, _batches_of(fast, pending), strict=True)
-        )
-        if i in bad
-    ]
+    out = []
+    if bad:
+        by_row = {r: b for r, _, b in pending}
+        out = [(fast[i][0], fast[i][1], by_row[fast[i][0]]) for i in sorted(bad)]
     columns = {
         "type": types,
         "block_hashes": hashes,
@@ -544,23 +550,17 @@ def _fill_fast(
         **strs,
     }
     rows = [r for r, _, _ in fast]
+    if bad:
+        good = [i for i in range(len(rows)) if i not in bad]
+        rows = [rows[i] for i in good]
+        columns = {name: [vals[i] for i in good] for name, vals in columns.items()}
+    contiguous = bool(rows) and rows[-1] - rows[0] + 1 == len(rows)  # rows only increase
     for name, vals in columns.items():
-        col = d[name]
-        if bad:
-            for i, (r, v) in enumerate(zip(rows, vals, strict=True)):
-                if i not in bad:
-                    col[r] = v
+        if contiguous:
+            d[name][rows[0] : rows[-1] + 1] = vals
         else:
-            for r, v in zip(rows, vals, strict=True):
-                col[r] = v
+            deque(map(d[name].__setitem__, rows, vals), maxlen=0)
     return out
-
-
-def _batches_of(
-    fast: list[tuple[int, Event, str]], pending: list[tuple[int, Event, Batch]]
-) -> list[Batch]:
-    by_row = {r: b for r, _, b in pending}
-    return [by_row[r] for r, _, _ in fast]
 
 
 _EVENT_COLS = (
