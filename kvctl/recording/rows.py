@@ -277,11 +277,16 @@ def _add_batches(
     d = cols.data
     row0 = len(d["type"])
     *values, frames, events = map(list, zip(*map(_BATCH_FIELDS, batches), strict=True))
-    extras: dict[int, list[tuple[str, Any]]] = {}
+    extras: dict[int, list[tuple[str, type, Any]]] = {}
+    cacheable = True  # every misfit is an int, str, bool or None: equal keys, equal JSON
     for (name, ok, bounds, shown), col in zip(_BATCH_FITS, values, strict=True):
-        for i in _misfits(col, ok, bounds):
+        misfits = _misfits(col, ok, bounds)
+        if not misfits:
+            continue
+        cacheable = cacheable and {type(col[i]) for i in misfits} <= _CACHEABLE
+        for i in misfits:
             v = col[i]
-            extras.setdefault(i, []).append((name, v))
+            extras.setdefault(i, []).append((name, type(v), v))
             if name not in ("error", "recovered"):
                 col[i] = _display(v) if shown else None
     *batch_values, raw_error, recovered = values
@@ -289,16 +294,12 @@ def _add_batches(
     batch_extra: list[str | None] = [None] * len(batches)
     cache = cols.batch_extras
     for i, entries in extras.items():
-        key = None
-        if all(type(v) in _CACHEABLE for _, v in entries):
-            key = tuple((name, type(v), v) for name, v in entries)
-            text = cache.get(key)
-            if text is not None:
-                batch_extra[i] = text
-                continue
-        text = dumps({name: to_json_value(v) for name, v in entries})
-        if key is not None:
-            cache[key] = text
+        key = tuple(entries) if cacheable else None
+        text = cache.get(key) if key is not None else None
+        if text is None:
+            text = dumps({name: to_json_value(v) for name, _, v in entries})
+            if key is not None:
+                cache[key] = text
         batch_extra[i] = text
 
     if set(map(type, chain.from_iterable(frames))) <= {bytes}:
