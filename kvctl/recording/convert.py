@@ -6,6 +6,12 @@ Raw journal rows are re-decoded with :func:`kvctl.formats.decode_zmq` /
 recorder's filters (journal header) and the ``kept`` cut (``-c`` on the last batch) are applied
 again; exact rows are rebuilt from their JSON. The rows go to a temp file, moved into place
 atomically once complete (:mod:`kvctl.recording.disk`).
+
+The converter has to keep up with the stream, so a slice of common engine batches takes a fast
+decoder (:meth:`Decoder.plain_items`): payloads decoded without the codecs' per-event checks,
+rows built column-wise with ``typed_only`` (which refuses any event those checks could reject),
+frames recipes checked in one msgpack call. Anything else in a slice, and the whole slice is
+decoded again the tolerant way: both write the same rows.
 """
 
 from __future__ import annotations
