@@ -328,31 +328,27 @@ def _add_batches(
         d[name].extend(per_row(col))
     d["batch_index"].extend(per_row(list(range(index, index + len(counts)))))
     d["recovered"].extend(per_row([r is True for r in recovered]))
+    # the first row of each batch, within the run
+    starts = range(total) if one_row_each else list(accumulate(counts, initial=0))[:-1]
     if one_row_each:
+        d["event_index"].extend([0 if e else None for e in events])
         firsts = [error, raw_size, frames, codecs, batch_extra]
     else:
         d["event_index"].extend(
             chain.from_iterable(range(len(e)) if e else (None,) for e in events)
         )
         firsts = []
-        offsets = list(accumulate(counts, initial=0))[:-1]
         for col in (error, raw_size, frames, codecs, batch_extra):
             rows: list[Any] = [None] * total
-            deque(map(rows.__setitem__, offsets, col), maxlen=0)
+            deque(map(rows.__setitem__, starts, col), maxlen=0)
             firsts.append(rows)
     for name, col in zip(_FIRST_ROW_COLS, firsts, strict=True):
         d[name].extend(col)
     for name in _ROW_EVENT_COLS:
         d[name].extend([None] * total)  # event rows are filled by _fill_events
     empty = [i for i, e in enumerate(events) if not e]
-    if one_row_each:
-        event_index: list[int | None] = [0] * total
-        for i in empty:
-            event_index[i] = None
-        d["event_index"].extend(event_index)
     if empty:
         types = d["type"]
-        starts = offsets if not one_row_each else range(total)
         for i in empty:
             if raw_error[i] is not None:
                 types[row0 + starts[i]] = MALFORMED
