@@ -13,8 +13,13 @@ publisher paced below the recorder's speed (``--rate`` events/s), and prints the
 memory of the recorder and of its converter at every quarter of the run and at the end
 (VmHWM: the peak) — the issue asks for flat and < 200 MB.
 
+``--convert`` times the converter's work alone: a raw journal of ``--batches`` realistic
+batches, written as the recorder writes it, converted to Parquet by ``journal_to_parquet``
+(re-decoding, rows, Parquet writing) in this process; events/s per round, CPU time and wall.
+
     python bench/record_throughput.py [--batches 50000] [--rounds 3]
     python bench/record_throughput.py --long [--events 1000000] [--rate 100000]
+    python bench/record_throughput.py --convert [--batches 50000] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -209,6 +214,68 @@ def long_run(events: int, rate: float) -> None:
     )
 
 
+# --- --convert: the conversion alone ------------------------------------------------------------
+
+
+def _write_journal(path: Path, payloads: list[bytes]) -> None:
+    """A raw journal of ``payloads`` as the recorder writes it (record batches of 2,048 rows)."""
+    from kvctl.formats import decode_zmq
+    from kvctl.recording.journal import (
+        JOURNAL_FORMAT,
+        JournalWriter,
+        RowBuffer,
+        message_fields,
+    )
+
+    info = {"journal_format": JOURNAL_FORMAT, "first_batch_index": 0, "raw_frames": "auto"}
+    journal = JournalWriter(path, info)
+    buf = RowBuffer(labelled=True)
+    for seq, payload in enumerate(payloads):
+        frames = [b"kv@pod-1@model", seq.to_bytes(8, "big"), payload]
+        batch = decode_zmq(frames, "tcp://127.0.0.1:5557", time.time_ns())
+        buf.rows.append(message_fields(batch))
+        buf.events.append(len(batch.events))
+        buf.frames.append(batch.frames)
+        if len(buf) == 2048:
+            journal.write(buf.build().rb, fsync=False)
+            buf = RowBuffer(labelled=True)
+    if len(buf):
+        journal.write(buf.build().rb, fsync=False)
+    journal.close()
+
+
+def convert_run(batches: int, rounds: int) -> None:
+    import statistics
+
+    from kvctl.recording.convert import journal_to_parquet
+    from kvctl.recording.journal import journal_metadata
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvctl-bench-convert-"))
+    try:
+        source = tmp / "source.journal"
+        _write_journal(source, realistic_payloads(batches))
+        rates, cpu_rates = [], []
+        for _ in range(rounds):
+            journal = tmp / "run.parquet.journal"
+            shutil.copyfile(source, journal)
+            target = tmp / "run.parquet"
+            target.unlink(missing_ok=True)
+            wall, cpu = time.perf_counter(), time.process_time()
+            meta = journal_to_parquet(journal, target, journal_metadata(journal))
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            events = meta["counts"]["events"]
+            rates.append(events / wall)
+            cpu_rates.append(events / cpu)
+            print(f"  {events:,} events: {events / wall:,.0f}/s wall, {events / cpu:,.0f}/s CPU")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(
+        f"conversion: {statistics.median(rates):,.0f} events/s wall (median; "
+        f"{min(rates):,.0f}-{max(rates):,.0f}), {statistics.median(cpu_rates):,.0f} events/s "
+        f"CPU ({min(cpu_rates):,.0f}-{max(cpu_rates):,.0f})"
+    )
+
+
 def main() -> None:
     import statistics
 
@@ -218,7 +285,11 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="memory over a long run")
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--rate", type=float, default=100_000)
+    parser.add_argument("--convert", action="store_true", help="the conversion alone")
     args = parser.parse_args()
+    if args.convert:
+        convert_run(args.batches, args.rounds)
+        return
     if args.long:
         long_run(args.events, args.rate)
         return

@@ -6,6 +6,12 @@ Raw journal rows are re-decoded with :func:`kvctl.formats.decode_zmq` /
 recorder's filters (journal header) and the ``kept`` cut (``-c`` on the last batch) are applied
 again; exact rows are rebuilt from their JSON. The rows go to a temp file, moved into place
 atomically once complete (:mod:`kvctl.recording.disk`).
+
+The converter has to keep up with the stream, so a slice of common engine batches takes a fast
+decoder (:meth:`Decoder.plain_items`): payloads decoded without the codecs' per-event checks,
+rows built column-wise with ``typed_only`` (which refuses any event those checks could reject),
+frames recipes checked in one msgpack call. Anything else in a slice, and the whole slice is
+decoded again the tolerant way: both write the same rows.
 """
 
 from __future__ import annotations
@@ -15,19 +21,23 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import NoneType
 from typing import Any
 
+import msgpack
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import __version__
-from ..events import Batch
+from ..errors import DecodeError
+from ..events import TS_RANGE, Batch
 from ..formats import decode_nats, decode_zmq
+from ..formats.engine_zmq import MAP_FORM, unpack, worker_from_topic
 from ..selection import Filters
 from .counts import Counts
 from .disk import fsync_dir, publish, temp_path
 from .journal import journal_metadata, read_journal
-from .rows import batches_to_record_batch
+from .rows import UntypedEvent, batches_to_record_batch
 from .schema import METADATA_KEY, SCHEMA, SCHEMA_VERSION, Gap
 from .tagged_json import from_json_value
 
@@ -119,6 +129,7 @@ class Decoder:
                 workers=frozenset(spec.get("workers") or ()),
             )
         self.labels = {k: from_json_value(v) for k, v in (info.get("labels") or {}).items()}
+        self.label_values: dict[str | None, Any] = {}  # tagged JSON -> label, in one slice
         self.mismatches = 0
 
     def convert(self, rb: pa.RecordBatch) -> pa.RecordBatch:
@@ -129,28 +140,119 @@ class Decoder:
                 self.convert(rb.slice(i, self.SLICE)) for i in range(0, rb.num_rows, self.SLICE)
             ]
             return pa.Table.from_batches(parts, SCHEMA).combine_chunks().to_batches()[0]
-        items = self.items(rb)
-        out = batches_to_record_batch(items, self.next_index, self.raw_frames)
-        self.next_index += sum(1 for b in items if type(b) is not Gap)
+        rows = {name: rb.column(name).to_pylist() for name in _JOURNAL_COLUMNS}
+        self.label_values.clear()  # bounded by a slice: labels may come from the wire
+        items = self.plain_items(rows)
+        if items is not None:
+            try:
+                out = batches_to_record_batch(
+                    items,
+                    self.next_index,
+                    self.raw_frames,
+                    typed_only=True,
+                    recipes=_engine_recipes(items) if self.raw_frames == "auto" else None,
+                )
+            except UntypedEvent:
+                pass  # an event the typed columns do not hold as it is: the tolerant way
+            else:
+                self.next_index += len(items)
+                return out
+        tolerant = self.items(rows)
+        out = batches_to_record_batch(tolerant, self.next_index, self.raw_frames)
+        self.next_index += sum(1 for b in tolerant if type(b) is not Gap)
         return out
 
-    def items(self, rb: pa.RecordBatch) -> list[Batch | Gap]:
-        d = {
-            name: rb.column(name).to_pylist()
-            for name in (
-                "recv_ns",
-                "source",
-                "topic",
-                "worker_id",
-                "dp_rank",
-                "recovered",
-                "frames",
-                "events",
-                "exact",
+    def plain_items(self, rows: dict[str, list[Any]]) -> list[Batch] | None:
+        """The fast decoder: when every row is an engine batch of the common shape (3 frames,
+        ``[ts, events, dp_rank]``, every event recorded: no filters, no ``-c`` cut, nothing
+        malformed), the batches :func:`~kvctl.formats.decode_zmq` would return, decoded
+        column by column without its per-event checks (the rows are built with
+        ``typed_only``, which refuses any event those checks could reject); else ``None``."""
+        frames = rows["frames"]
+        if (
+            self.filters is not None
+            or set(map(len, frames)) != {3}
+            or rows["exact"].count(None) != len(frames)
+            or not set(map(type, rows["source"])) <= {str}
+        ):
+            return None
+        try:
+            objs = [unpack(f[2]) for f in frames]
+        except DecodeError:
+            return None
+        if set(map(type, objs)) != {list} or not set(map(len, objs)) <= {2, 3}:
+            return None
+        stamps = [o[0] for o in objs]
+        ts_min, ts_max = TS_RANGE
+        if not set(map(type, stamps)) <= {float, int} or not all(
+            ts_min <= t <= ts_max
+            for t in stamps  # false for NaN
+        ):
+            return None
+        events = [o[1] for o in objs]
+        payload_dps = [o[2] if len(o) == 3 else None for o in objs]
+        if (
+            set(map(type, events)) != {list}
+            or list(map(len, events)) != rows["events"]  # a cut hides events to check
+            or not set(map(type, payload_dps)) <= {int, NoneType}
+        ):
+            return None
+        seq_frames = [f[1] for f in frames]
+        if set(map(len, seq_frames)) != {8}:
+            return None
+        out = []
+        for source, f, ts, evs, payload_dp, seq, recv_ns, w, dp, recovered in zip(
+            rows["source"],
+            frames,
+            stamps,
+            events,
+            payload_dps,
+            seq_frames,
+            rows["recv_ns"],
+            rows["worker_id"],
+            rows["dp_rank"],
+            rows["recovered"],
+            strict=True,
+        ):
+            topic_frame = f[0]
+            topic = topic_frame.decode("utf-8", "replace") if topic_frame else ""
+            worker, dp_label = self.label(source, w, dp)
+            if worker is None and topic:
+                worker = worker_from_topic(topic)
+            out.append(
+                Batch(
+                    source,
+                    evs,
+                    MAP_FORM,
+                    topic,
+                    int.from_bytes(seq, "big"),
+                    float(ts),
+                    recv_ns,
+                    worker,
+                    dp_label if payload_dp is None else payload_dp,
+                    f,
+                    None,
+                    bool(recovered),
+                    source,
+                )
             )
-        }
+        return out
+
+    def label(self, source: str, worker: str | None, dp: str | None) -> tuple[Any, Any]:
+        """The worker and dp rank labels of a journal row (tagged JSON, or the header's labels
+        of its source when the row has none)."""
+        if worker is None and dp is None:
+            return self.labels.get(source) or (None, None)
+        cache = self.label_values
+        if worker not in cache:
+            cache[worker] = from_json_value(json.loads(worker)) if worker is not None else None
+        if dp not in cache:
+            cache[dp] = from_json_value(json.loads(dp)) if dp is not None else None
+        return cache[worker], cache[dp]
+
+    def items(self, d: dict[str, list[Any]]) -> list[Batch | Gap]:
+        """The tolerant decoder: every row through the codecs, as the recorder decoded it."""
         out: list[Batch | Gap] = []
-        labels: dict[str | None, Any] = {}
         filters = self.filters
         for i, exact in enumerate(d["exact"]):
             if exact is not None:
@@ -160,15 +262,7 @@ class Decoder:
             if source.startswith(("nats://", "tls://")) and len(frames) == 1:
                 batch = decode_nats(d["topic"][i], frames[0], source, recv_ns)
             else:
-                w, dp = d["worker_id"][i], d["dp_rank"][i]
-                if w is None and dp is None:
-                    w_label, dp_label = self.labels.get(source) or (None, None)
-                else:
-                    if w not in labels:
-                        labels[w] = from_json_value(json.loads(w)) if w is not None else None
-                    if dp not in labels:
-                        labels[dp] = from_json_value(json.loads(dp)) if dp is not None else None
-                    w_label, dp_label = labels[w], labels[dp]
+                w_label, dp_label = self.label(source, d["worker_id"][i], d["dp_rank"][i])
                 batch = decode_zmq(frames, source, recv_ns, w_label, dp_label)
             if d["recovered"][i]:
                 batch.recovered = True
@@ -182,6 +276,51 @@ class Decoder:
             batch.events = events
             out.append(batch)
         return out
+
+
+def _engine_recipes(batches: list[Batch]) -> list[str | None] | None:
+    """What :func:`~kvctl.formats.frames_recipe` says of each of ``batches`` (engine batches
+    as :meth:`Decoder.plain_items` returns them), checked for all at once: when the topics are
+    UTF-8 and the payloads, re-encoded as one msgpack array, are byte for byte the payloads
+    received (msgpack is self-delimiting: equal streams, equal payloads), each batch is
+    rebuilt by the recipe of its payload's length. ``None``: ask the codec batch by batch."""
+    payloads = [b.frames[2] for b in batches]
+    rebuilt = [
+        [b.ts, b.events, b.dp_rank] if p[0] == _ARRAY3 else [b.ts, b.events]
+        for b, p in zip(batches, payloads, strict=True)
+    ]
+    try:
+        packed = msgpack.packb(rebuilt)
+    except Exception:  # a value msgpack refuses: the codec decides
+        return None
+    data = b"".join(payloads)
+    header = 1 if len(batches) < 16 else 3 if len(batches) < 1 << 16 else 5
+    if len(packed) != header + len(data) or not packed.endswith(data):
+        return None
+    if [b.topic.encode("utf-8", "surrogatepass") for b in batches] != [
+        b.frames[0] for b in batches
+    ]:
+        return None
+    return [_RECIPE3 if p[0] == _ARRAY3 else _RECIPE2 for p in payloads]
+
+
+# A 3-element payload [ts, events, dp_rank] starts with fixarray(3); the recipes that rebuild
+# an engine batch of 3 and of 2 elements (kvctl.formats.engine_zmq.RECIPES).
+_ARRAY3 = 0x93
+_RECIPE3, _RECIPE2 = "zmq3", "zmq2"
+
+
+_JOURNAL_COLUMNS = (
+    "recv_ns",
+    "source",
+    "topic",
+    "worker_id",
+    "dp_rank",
+    "recovered",
+    "frames",
+    "events",
+    "exact",
+)
 
 
 def _from_exact(text: str, frames: list[bytes] | None) -> Batch | Gap:

@@ -12,10 +12,15 @@ absent keys stay distinct. Pure conversion only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
-from itertools import chain
+from array import array
+from collections import deque
+from collections.abc import Iterable, Sequence
+from functools import partial
+from itertools import accumulate, chain, repeat
+from operator import attrgetter
 from typing import Any
 
+import msgspec
 import pyarrow as pa
 
 from ..events import MAX_DEPTH, Batch, Event
@@ -86,19 +91,27 @@ def _hash_ints(v: list[Any]) -> tuple[list[Any], bool, bool] | None:
 class _Columns:
     """Column lists being filled row by row (one append per column per row)."""
 
-    __slots__ = ("data", "layouts", "plans", "pending")
+    __slots__ = ("data", "layouts", "plans", "pending", "batch_extras")
 
     def __init__(self) -> None:
         self.data: dict[str, list[Any]] = {n: [] for n in COLUMN_NAMES}
         self.layouts: dict[tuple[Any, ...], str] = {}
         self.plans: dict[tuple[Any, ...] | None, str] = {}
         self.pending: list[tuple[int, Event, Batch]] = []
+        self.batch_extras: dict[tuple[Any, ...], str] = {}
+
+
+class UntypedEvent(Exception):
+    """Raised with ``typed_only``: an event does not fit the typed columns as it is."""
 
 
 def batches_to_record_batch(
     batches: Iterable[Batch | Gap],
     first_batch_index: int = 0,
     raw_frames: str = "auto",
+    *,
+    typed_only: bool = False,
+    recipes: Sequence[str | None] | None = None,
 ) -> pa.RecordBatch:
     """Convert batches (and :class:`Gap` markers) to one Arrow record batch of :data:`SCHEMA`.
 
@@ -106,40 +119,65 @@ def batches_to_record_batch(
     ``raw_frames="auto"`` leaves ``frames`` null when the columns rebuild them byte for byte
     (engine batches encoded canonically: the common case, and half the bytes on disk);
     ``"always"`` stores them regardless.
+    ``typed_only``, for events straight from the msgpack decoder (plain ints, never an int
+    subclass): raise :class:`UntypedEvent` rather than convert an event that is not a map of
+    typed fields whose values all fit their columns (the converter's fast decoder skips the
+    decoders' per-event checks, which such events pass by construction, and decodes any
+    other batch again the tolerant way).
+    ``recipes``: with ``raw_frames="auto"``, what :func:`~kvctl.formats.frames_recipe` says of
+    each batch, when the caller knows it already (the converter checks a slice of engine
+    payloads in one msgpack call).
     """
     batches = list(batches)
     try:
-        return _to_record_batch(batches, first_batch_index, raw_frames)
+        return _to_record_batch(batches, first_batch_index, raw_frames, typed_only, recipes)
     except (NestingTooDeep, RecursionError):
-        return _deep_ones_malformed(batches, first_batch_index, raw_frames)
+        return _deep_ones_malformed(batches, first_batch_index, raw_frames, typed_only, recipes)
 
 
 def _to_record_batch(
-    batches: list[Batch | Gap], first_batch_index: int, raw_frames: str
+    batches: list[Batch | Gap],
+    first_batch_index: int,
+    raw_frames: str,
+    typed_only: bool,
+    recipes: Sequence[str | None] | None = None,
 ) -> pa.RecordBatch:
     cols = _Columns()
     index = first_batch_index
-    for batch in batches:
+    run: list[Batch] = []
+    for pos, batch in enumerate(batches):
         if isinstance(batch, Gap):
+            if run:
+                known = recipes[pos - len(run) : pos] if recipes is not None else None
+                _add_batches(cols, run, index, raw_frames, known)
+                index += len(run)
+                run = []
             _add_gap(cols, batch)
         else:
-            _add_batch(cols, batch, index, raw_frames)
-            index += 1
-    _fill_events(cols)
-    arrays = [pa.array(cols.data[n], type=t) for n, t, _ in COLUMNS]
+            run.append(batch)
+    if run:
+        known = recipes[len(batches) - len(run) :] if recipes is not None else None
+        _add_batches(cols, run, index, raw_frames, known)
+    _fill_events(cols, typed_only)
+    arrays = [_array(n, cols.data[n], t) for n, t, _ in COLUMNS]
     return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
 
 
 def _deep_ones_malformed(
-    batches: list[Batch | Gap], first_batch_index: int, raw_frames: str
+    batches: list[Batch | Gap],
+    first_batch_index: int,
+    raw_frames: str,
+    typed_only: bool,
+    recipes: Sequence[str | None] | None,
 ) -> pa.RecordBatch:
     """The rare slow path: batch by batch, a batch holding a value nested too deep becomes a
     Malformed row that keeps its raw frames (the bytes are the record of what arrived)."""
     parts = []
     index = first_batch_index
-    for batch in batches:
+    for pos, batch in enumerate(batches):
+        known = recipes[pos : pos + 1] if recipes is not None else None
         try:
-            parts.append(_to_record_batch([batch], index, raw_frames))
+            parts.append(_to_record_batch([batch], index, raw_frames, typed_only, known))
         except (NestingTooDeep, RecursionError):
             assert type(batch) is Batch
             bad = dataclasses.replace(
@@ -148,52 +186,71 @@ def _deep_ones_malformed(
                 error=f"not recorded as events: a value "
                 f"nests deeper than {MAX_DEPTH} levels (raw frames kept)",
             )
-            parts.append(_to_record_batch([bad], index, raw_frames))
+            parts.append(_to_record_batch([bad], index, raw_frames, typed_only))
         if type(batch) is not Gap:
             index += 1
     return pa.Table.from_batches(parts, SCHEMA).combine_chunks().to_batches()[0]
 
 
-def _batch_values(batch: Batch | Gap) -> tuple[list[Any], dict[str, Any]]:
-    """The repeated batch columns (recv_ns .. worker_id/dp_rank) and batch_extra entries."""
-    bx: dict[str, Any] = {}
+# The repeated batch columns, in schema order: the types a value must have to go in its column
+# as is, its integer bounds, and whether a misfit is shown as text (else null). A misfit's exact
+# value goes to batch_extra, under its name, in this order (then error, recovered).
+_BATCH_FITS: tuple[tuple[str, frozenset[type], tuple[int, int] | None, bool], ...] = (
+    ("recv_ns", frozenset({int}), (-I63, I63), False),
+    ("ts", frozenset({float, type(None)}), None, False),
+    ("source", frozenset({str}), None, True),
+    ("topic", frozenset({str}), None, True),
+    ("publisher", frozenset({str, type(None)}), None, True),
+    ("seq", frozenset({int, type(None)}), (0, U64), False),
+    ("worker_id", frozenset({str, type(None)}), None, True),
+    ("dp_rank", frozenset({int, type(None)}), (-I63, I63), False),
+    ("format", frozenset({str}), None, True),
+    ("error", frozenset({str, type(None)}), None, False),
+    ("recovered", frozenset({bool}), None, False),
+)
+_BATCH_FIELDS = attrgetter(*(name for name, _, _, _ in _BATCH_FITS), "frames", "events")
+# batch_extra values whose JSON equality implies (type included in the key): cached per stream.
+_CACHEABLE = frozenset({int, str, bool, type(None)})
+_NO_EVENT = object()  # the row of a batch without events
 
-    def fit(name: str, value: Any, ok: bool, shown: Any = None) -> Any:
-        if ok:
-            return value
-        bx[name] = to_json_value(value)
-        return shown
 
-    recv_ns = batch.recv_ns
-    recv = fit("recv_ns", recv_ns, type(recv_ns) is int and -I63 <= recv_ns < I63)
-    source = fit("source", batch.source, type(batch.source) is str, _display(batch.source))
-    publisher = batch.publisher
-    pub = fit(
-        "publisher", publisher, publisher is None or type(publisher) is str, _display(publisher)
-    )
-    if isinstance(batch, Gap):
-        return [recv, None, source, None, pub, None, None, None, None], bx
-    ts, seq, worker, dp = batch.ts, batch.seq, batch.worker_id, batch.dp_rank
+def _misfits(
+    values: list[Any], ok: frozenset[type], bounds: tuple[int, int] | None
+) -> Iterable[int]:
+    """Positions of the values that do not go in their column as they are (one C-level pass
+    over the types, and one over the numbers, when all fit: the common case)."""
+    types = set(map(type, values))
+    if types <= ok:
+        if bounds is None:
+            return ()
+        nums = [v for v in values if v is not None] if type(None) in types else values
+        if not nums or (bounds[0] <= min(nums) and max(nums) < bounds[1]):
+            return ()
+    lo, hi = bounds or (0, 0)
     return [
-        recv,
-        fit("ts", ts, ts is None or type(ts) is float),
-        source,
-        fit("topic", batch.topic, type(batch.topic) is str, _display(batch.topic)),
-        pub,
-        fit("seq", seq, seq is None or (type(seq) is int and 0 <= seq < U64)),
-        fit("worker_id", worker, worker is None or type(worker) is str, _display(worker)),
-        fit("dp_rank", dp, dp is None or (type(dp) is int and -I63 <= dp < I63)),
-        fit("format", batch.format, type(batch.format) is str, _display(batch.format)),
-    ], bx
+        i
+        for i, v in enumerate(values)
+        if type(v) not in ok or (bounds is not None and v is not None and not lo <= v < hi)
+    ]
 
 
 def _add_gap(cols: _Columns, gap: Gap) -> None:
     d = cols.data
-    values, bx = _batch_values(gap)
+    bx: dict[str, Any] = {}
+    recv_ns: Any = gap.recv_ns
+    source: Any = gap.source
+    publisher: Any = gap.publisher
+    if type(recv_ns) is not int or not -I63 <= recv_ns < I63:
+        bx["recv_ns"], recv_ns = to_json_value(recv_ns), None
+    if type(source) is not str:
+        bx["source"], source = to_json_value(source), _display(source)
+    if publisher is not None and type(publisher) is not str:
+        bx["publisher"], publisher = to_json_value(publisher), _display(publisher)
+    from_seq = gap.from_seq
+    seq = from_seq if type(from_seq) is int and 0 <= from_seq < U64 else None
+    values = [recv_ns, None, source, None, publisher, seq, None, None, None]
     for name, v in zip(BATCH_COLUMNS, values, strict=True):
         d[name].append(v)
-    from_seq = gap.from_seq
-    d["seq"][-1] = from_seq if type(from_seq) is int and 0 <= from_seq < U64 else None
     extra = {"from_seq": gap.from_seq, "to_seq": gap.to_seq, "missing": gap.missing}
     row = {
         "batch_index": None,
@@ -207,47 +264,145 @@ def _add_gap(cols: _Columns, gap: Gap) -> None:
         d[name].append(row.get(name))
 
 
-def _add_batch(cols: _Columns, batch: Batch, index: int, raw_frames: str) -> None:
+def _add_batches(
+    cols: _Columns,
+    batches: list[Batch],
+    index: int,
+    raw_frames: str,
+    recipes: Sequence[str | None] | None,
+) -> None:
+    """Rows of consecutive batches, column by column: one row per event (one for a batch
+    without events), batch values repeated on each; the event columns are left to
+    :func:`_fill_events`."""
     d = cols.data
-    values, bx = _batch_values(batch)
-    if type(batch.error) is not str and batch.error is not None:
-        bx["error"] = to_json_value(batch.error)
-    if type(batch.recovered) is not bool:
-        bx["recovered"] = to_json_value(batch.recovered)
-    frames = [bytes(f) for f in batch.frames]
-    codec = frames_recipe(batch) if raw_frames == "auto" else None
-    events = batch.events
-    n = max(1, len(events))
-    for name, v in zip(BATCH_COLUMNS, values, strict=True):
-        d[name].extend([v] * n)
-    d["batch_index"].extend([index] * n)
-    d["recovered"].extend([batch.recovered is True] * n)
-    d["error"].append(batch.error if type(batch.error) is str else None)
-    d["raw_size"].append(sum(map(len, frames)))
-    d["frames"].append(None if codec else frames)
-    d["frames_codec"].append(codec)
-    d["batch_extra"].append(dumps(bx) if bx else None)
-    if n > 1:
-        rest = [None] * (n - 1)
-        for name in ("error", "raw_size", "frames", "frames_codec", "batch_extra"):
-            d[name].extend(rest)
-    if not events:
-        d["event_index"].append(None)
-        d["type"].append(MALFORMED if batch.error is not None else None)
-        for name in _EVENT_COLS:
-            d[name].append(None)
-        d["hash_signed"].append(None)
-        d["extra"].append(None)
-        d["fields"].append(None)
-        return
-    d["event_index"].extend(range(len(events)))
-    row = len(d["type"])
+    row0 = len(d["type"])
+    *values, frames, events = map(list, zip(*map(_BATCH_FIELDS, batches), strict=True))
+    extras: dict[int, list[tuple[str, type, Any]]] = {}
+    cacheable = True  # every misfit is an int, str, bool or None: equal keys, equal JSON
+    for (name, ok, bounds, shown), col in zip(_BATCH_FITS, values, strict=True):
+        misfits = _misfits(col, ok, bounds)
+        if not misfits:
+            continue
+        cacheable = cacheable and {type(col[i]) for i in misfits} <= _CACHEABLE
+        for i in misfits:
+            v = col[i]
+            extras.setdefault(i, []).append((name, type(v), v))
+            if name not in ("error", "recovered"):
+                col[i] = _display(v) if shown else None
+    *batch_values, raw_error, recovered = values
+    error = [e if type(e) is str else None for e in raw_error] if extras else raw_error
+    batch_extra: list[str | None] = [None] * len(batches)
+    cache = cols.batch_extras
+    for i, entries in extras.items():
+        key = tuple(entries) if cacheable else None
+        text = cache.get(key) if key is not None else None
+        if text is None:
+            text = dumps({name: to_json_value(v) for name, _, v in entries})
+            if key is not None:
+                cache[key] = text
+        batch_extra[i] = text
+
+    if set(map(type, chain.from_iterable(frames))) <= {bytes}:
+        raw_size = [sum(map(len, f)) for f in frames]
+    else:  # a library caller's bytearray/memoryview frames
+        frames = [[bytes(f) for f in fs] for fs in frames]
+        raw_size = [sum(map(len, f)) for f in frames]
+    if raw_frames == "auto":
+        codecs = list(recipes) if recipes is not None else list(map(frames_recipe, batches))
+        frames = [None if c else f for f, c in zip(frames, codecs, strict=True)]
+    else:
+        codecs = [None] * len(batches)
+
+    counts = [len(e) or 1 for e in events]
+    total = sum(counts)
+    one_row_each = total == len(batches)
+    # the batch of each row: per-batch lists become per-row ones by one C-level map each
+    owner = (
+        [] if one_row_each else list(chain.from_iterable(map(repeat, range(len(counts)), counts)))
+    )
+
+    def per_row(col: list[Any]) -> list[Any]:
+        return col if one_row_each else list(map(col.__getitem__, owner))
+
+    for name, col in zip(BATCH_COLUMNS, batch_values, strict=True):
+        d[name].extend(per_row(col))
+    d["batch_index"].extend(per_row(list(range(index, index + len(counts)))))
+    d["recovered"].extend(per_row([r is True for r in recovered]))
+    # the first row of each batch, within the run
+    starts = range(total) if one_row_each else list(accumulate(counts, initial=0))[:-1]
+    if one_row_each:
+        d["event_index"].extend([0 if e else None for e in events])
+        firsts = [error, raw_size, frames, codecs, batch_extra]
+    else:
+        d["event_index"].extend(
+            chain.from_iterable(range(len(e)) if e else (None,) for e in events)
+        )
+        firsts = []
+        for col in (error, raw_size, frames, codecs, batch_extra):
+            rows: list[Any] = [None] * total
+            deque(map(rows.__setitem__, starts, col), maxlen=0)
+            firsts.append(rows)
+    for name, col in zip(_FIRST_ROW_COLS, firsts, strict=True):
+        d[name].extend(col)
     for name in _ROW_EVENT_COLS:
-        d[name].extend([None] * n)  # filled by _fill_events, column by column
-    cols.pending.extend(zip(range(row, row + n), events, [batch] * n, strict=True))
+        d[name].extend([None] * total)  # event rows are filled by _fill_events
+    empty = [i for i, e in enumerate(events) if not e]
+    if empty:
+        types = d["type"]
+        for i in empty:
+            if raw_error[i] is not None:
+                types[row0 + starts[i]] = MALFORMED
+        row_events = chain.from_iterable(e or (_NO_EVENT,) for e in events)
+        cols.pending.extend(
+            item
+            for item in zip(range(row0, row0 + total), row_events, per_row(batches), strict=True)
+            if item[1] is not _NO_EVENT
+        )
+    else:
+        cols.pending.extend(
+            zip(
+                range(row0, row0 + total),
+                chain.from_iterable(events),
+                per_row(batches),
+                strict=True,
+            )
+        )
 
 
-def _fill_events(cols: _Columns) -> None:
+_FIRST_ROW_COLS = ("error", "raw_size", "frames", "frames_codec", "batch_extra")
+
+_ints = partial(msgspec.convert, type=list[int])
+"""Checks a list holds ints only (bools refused; int subclasses taken: see ``plain_ints``)."""
+# ``array`` type codes whose range is exactly that of a column's unsigned elements.
+_U32 = next((c for c in "IL" if array(c).itemsize == 4), None)
+_U64 = next((c for c in "LQ" if array(c).itemsize == 8), None)
+_INT_LISTS = {"token_ids": _U32, "block_hashes": _U64, "tokens_hashes": _U64}
+
+
+def _array(name: str, values: list[Any], t: pa.DataType) -> pa.Array:
+    """One column of the record batch. Lists of unsigned ints (token ids: most of the values)
+    go through an ``array`` buffer, 3x faster than Arrow's conversion of Python lists."""
+    typecode = _INT_LISTS.get(name)
+    if typecode is not None:
+        try:
+            return _int_list_array(values, t, typecode)
+        except (TypeError, OverflowError):  # a null element (tokens_hashes may hold one)
+            pass
+    return pa.array(values, type=t)
+
+
+def _int_list_array(values: list[Any], t: pa.DataType, typecode: str) -> pa.Array:
+    flat = array(typecode, list(chain.from_iterable(v for v in values if v)))
+    offsets = array("i", accumulate((0 if v is None else len(v) for v in values), initial=0))
+    return pa.ListArray.from_arrays(
+        pa.Array.from_buffers(pa.int32(), len(offsets), [None, pa.py_buffer(offsets)]),
+        pa.Array.from_buffers(t.value_type, len(flat), [None, pa.py_buffer(flat)]),
+        type=t,
+        mask=pa.array([v is None for v in values]) if None in values else None,
+    )
+
+
+def _fill_events(cols: _Columns, typed_only: bool) -> None:
     """Event columns for every pending event. Events whose keys all have typed columns (vLLM,
     SGLang, seed) are converted column-wise, their values checked in bulk (one pass over all
     token ids instead of one per event: 3x faster); anything a bulk check rejects, and every
@@ -266,9 +421,13 @@ def _fill_events(cols: _Columns) -> None:
             slow.append(item)
         else:
             fast.append((item[0], ev, layout))
+    if typed_only and slow:
+        raise UntypedEvent
     if fast:
-        slow.extend(_fill_fast(d, fast, pending))
+        slow.extend(_fill_fast(d, fast, pending, typed_only))
     if slow:
+        if typed_only:
+            raise UntypedEvent
         tmp: dict[str, list[Any]] = {name: [] for name in _ROW_EVENT_COLS}
         for _, ev, batch in slow:
             n0 = len(tmp["type"])
@@ -290,8 +449,11 @@ def _fill_fast(
     d: dict[str, list[Any]],
     fast: list[tuple[int, Event, str]],
     pending: list[tuple[int, Event, Batch]],
+    plain_ints: bool,
 ) -> list[tuple[int, Event, Batch]]:
-    """Fill typed columns for ``fast`` events; return the ones that must take the slow path."""
+    """Fill typed columns for ``fast`` events; return the ones that must take the slow path.
+    ``plain_ints``: the values come from the msgpack decoder (no int subclass to refuse), so
+    msgspec checks the types and an ``array`` of the column's width the range, in C."""
     evs = [ev for _, ev, _ in fast]
     bad: set[int] = set()
 
@@ -310,12 +472,22 @@ def _fill_fast(
 
         return ok
 
-    def int_lists(lo: int, hi: int) -> Any:
+    def int_lists(lo: int, hi: int, typecode: str | None = None) -> Any:
         def ok(vals: list[Any], bulk: bool) -> bool:
             flat = list(chain.from_iterable(v for v in vals if v))
-            if not set(map(type, flat)) <= {int}:
+            if not flat:
+                return True
+            if plain_ints:
+                try:
+                    _ints(flat)  # refuses bools, which the range checks below would take
+                    if typecode is not None:
+                        array(typecode, flat)  # OverflowError outside [lo, hi)
+                        return True
+                except (msgspec.ValidationError, OverflowError):
+                    return False
+            elif not set(map(type, flat)) <= {int}:
                 return False
-            return not flat or (lo <= min(flat) and max(flat) < hi)
+            return lo <= min(flat) and max(flat) < hi
 
         return ok
 
@@ -324,18 +496,27 @@ def _fill_fast(
 
     none, lst = type(None), list
     types = check("type", {str}, anything)
-    tokens = check("token_ids", {lst, none}, int_lists(0, 1 << 32))
+    tokens = check("token_ids", {lst, none}, int_lists(0, 1 << 32, _U32))
     block_size = check("block_size", {int, none}, ints(-I31, I31))
     lora_id = check("lora_id", {int, none}, ints(-I63, I63))
     event_id = check("event_id", {int, none}, ints(0, U64))
     strs = {n: check(n, {str, none}, anything) for n in ("lora_name", "medium", "storage_tier")}
-    th = check("tokens_hashes", {lst, none}, int_lists(0, U64))
+    th = check("tokens_hashes", {lst, none}, int_lists(0, U64, _U64))
     hashes = check("block_hashes", {lst, none}, int_lists(-I63, U64))
     parents = check("parent_block_hash", {int, none}, ints(-I63, U64))
     # Signedness is per event: a negative hash means a signed producer; one that also has a
     # hash >= 2**63 (both conventions at once) cannot be flagged, so it goes the slow way.
     signed = [False] * len(evs)
+    try:
+        parent_values = [p for p in parents if p is not None]
+        any_negative = (bool(parent_values) and min(parent_values) < 0) or min(
+            chain.from_iterable(h for h in hashes if h), default=0
+        ) < 0
+    except TypeError:  # bytes hashes of an event already refused: look event by event
+        any_negative = True
     for i, (h, p) in enumerate(zip(hashes, parents, strict=True)):
+        if not any_negative:  # vLLM, Dynamo: unsigned hashes, nothing to flag
+            break
         if i in bad:
             continue
         neg = (p is not None and p < 0) or (bool(h) and min(h) < 0)
@@ -348,13 +529,10 @@ def _fill_fast(
                 hashes[i] = [x & MASK for x in h]
             if p is not None:
                 parents[i] = p & MASK
-    out = [
-        (r, ev, pending_batch)
-        for i, ((r, ev, _), pending_batch) in enumerate(
-            zip(fast, _batches_of(fast, pending), strict=True)
-        )
-        if i in bad
-    ]
+    out = []
+    if bad:
+        by_row = {r: b for r, _, b in pending}
+        out = [(fast[i][0], fast[i][1], by_row[fast[i][0]]) for i in sorted(bad)]
     columns = {
         "type": types,
         "block_hashes": hashes,
@@ -369,23 +547,17 @@ def _fill_fast(
         **strs,
     }
     rows = [r for r, _, _ in fast]
+    if bad:
+        good = [i for i in range(len(rows)) if i not in bad]
+        rows = [rows[i] for i in good]
+        columns = {name: [vals[i] for i in good] for name, vals in columns.items()}
+    contiguous = bool(rows) and rows[-1] - rows[0] + 1 == len(rows)  # rows only increase
     for name, vals in columns.items():
-        col = d[name]
-        if bad:
-            for i, (r, v) in enumerate(zip(rows, vals, strict=True)):
-                if i not in bad:
-                    col[r] = v
+        if contiguous:
+            d[name][rows[0] : rows[-1] + 1] = vals
         else:
-            for r, v in zip(rows, vals, strict=True):
-                col[r] = v
+            deque(map(d[name].__setitem__, rows, vals), maxlen=0)
     return out
-
-
-def _batches_of(
-    fast: list[tuple[int, Event, str]], pending: list[tuple[int, Event, Batch]]
-) -> list[Batch]:
-    by_row = {r: b for r, _, b in pending}
-    return [by_row[r] for r, _, _ in fast]
 
 
 _EVENT_COLS = (
