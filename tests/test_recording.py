@@ -600,3 +600,40 @@ def test_dictionary_columns_read_back_across_chunks_with_nulls():
         "DISK",
         None,
     ]
+
+
+def test_a_converter_whose_recorder_stops_reading_leaves_no_temp_file(tmp_path: Path) -> None:
+    """A recorder killed while its converter reports progress: the converter's next word
+    meets a closed pipe. It removes its temp file and exits; the journal stays for
+    `kvctl recover`."""
+    out = tmp_path / "run.parquet"
+    writer = RecordingWriter(out, converter=False, background=False, flush_rows=8)
+    put(writer, all_format_batches() * 4)
+    writer.flush()
+    journal = tmp_path / "run.parquet.journal"
+    committed = journal.stat().st_size
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvctl.recording.converter"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        commands = [
+            {"op": "config", "compression_level": 1},
+            {"op": "open", "journal": str(journal), "target": str(out), "offset": 0},
+        ]
+        proc.stdin.write("".join(json.dumps(c) + "\n" for c in commands).encode())
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline())["op"] == "ready"
+        proc.stdout.close()  # the recorder is gone: nobody reads the converter any more
+        commit = {"op": "commit", "journal": str(journal), "offset": committed}
+        proc.stdin.write((json.dumps(commit) + "\n").encode())
+        proc.stdin.flush()  # its stdin stays open: only the broken pipe tells
+        assert proc.wait(timeout=20) != 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not list(tmp_path.glob(".*.tmp")) and not out.exists()
+    assert journal.stat().st_size == committed

@@ -102,10 +102,20 @@ def main() -> int:
     """The converter process: ``python -m kvctl.recording.converter`` (driven by the recorder
     through stdin/stdout; see the module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the recorder decides when we stop
+    tasks: list[_Task] = []
+    try:
+        return _serve(tasks)
+    except BrokenPipeError:  # the recorder stopped reading us: it died, as at end of input
+        for t in tasks:
+            t.abort()
+        raise
+
+
+def _serve(tasks: list[_Task]) -> int:
+    """Follow the recorder's commands until ``exit`` (0) or the end of its input (1)."""
     fd = sys.stdin.fileno()
     buf = b""
     config: dict[str, Any] | None = None
-    tasks: list[_Task] = []
     exiting = False
     ready = False
     while True:
