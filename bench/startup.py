@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvctl.commands import COMMANDS  # noqa: E402
+from kvctl.cli import COMMANDS  # noqa: E402
 
 
 def _wall_time(argv: list[str]) -> float:
@@ -65,10 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'invocation':<28} {'median ms':>10} {'ratio':>6}  round ratios (25–75 %)")
     for label, samples in times.items():
         median = statistics.median(samples)
-        low, high = _quartiles([t / b for t, b in zip(samples, bare)])
+        low, high = _quartiles([t / b for t, b in zip(samples, bare, strict=True)])
         print(
-            f"{label:<28} {median * 1000:>10.1f} {median / bare_median:>6.2f}  "
-            f"{low:.2f}–{high:.2f}"
+            f"{label:<28} {median * 1000:>10.1f} {median / bare_median:>6.2f}  {low:.2f}–{high:.2f}"
         )
     return 0
 

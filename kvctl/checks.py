@@ -42,7 +42,6 @@ from .events import (
     Batch,
     present_hash,
 )
-from .formats import KNOWN_FIELDS  # every field a codec's producers send: KV004 flags the rest
 from .sequence import DUPLICATE, GAP, RECOVERED, REORDER, RESTART, SequenceTracker
 from .state import (
     DUPLICATE_STORE,
@@ -352,6 +351,9 @@ class Checker:
 
     def feed(self, batch: Batch) -> list[Finding]:
         """Check one batch; returns the findings it produced (see module doc for limits)."""
+        # every field a codec's producers send: KV004 flags the rest
+        from .formats import KNOWN_FIELDS
+
         self._new = []
         self.batches += 1
         if batch.recv_ns:

@@ -9,7 +9,6 @@ import importlib
 import os
 import signal
 import sys
-import traceback
 from collections.abc import Callable
 
 import click
@@ -17,7 +16,6 @@ import click
 from . import __version__
 from .errors import ExitCode, KvctlError
 from .help import envvar_of
-from .redact import redact_url
 from .text import CLOSING_WORDS
 
 
@@ -97,6 +95,8 @@ class LazyGroup(click.Group):
     @staticmethod
     def _show_traceback(ctx: click.Context) -> None:
         if ctx.params.get("traceback"):
+            import traceback  # on an error only: not in the cost of every --help
+
             traceback.print_exc(file=sys.stderr)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as exc:
         code = exc.exit_code
     except click.ClickException as exc:
+        from .redact import redact_url  # on an error only: not in the cost of every --help
+
         # click declares message Final; redacted in place, every way of showing it is safe
         exc.message = redact_url(exc.message)  # type: ignore[misc]
         variable = _environment_variable(exc)
@@ -182,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         code = ExitCode.INTERRUPTED
     except KvctlError as exc:
         if str(exc):  # an empty message: already reported (e.g. a quiet interrupt)
+            from .redact import redact_url
+
             # the one place every error passes: no password of a source URL reaches stderr
             print(f"kvctl: {redact_url(str(exc))}", file=sys.stderr)
         code = exc.exit_code

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .events import EVENT_TYPES, HASH_STYLES
-from .output import Output
 from .selection import Filters, Limits
 
 if TYPE_CHECKING:
+    from .output import Output
     from .transports.nats import NatsOptions
 
 F = Callable[..., Any]
@@ -301,13 +301,26 @@ json_snapshots_option = click.option(
     help="One JSON snapshot per refresh on stdout instead of a screen.",
 )
 
-output_options = _group(
-    "out",
-    lambda params: Output(
+
+def _output(params: dict[str, Any]) -> Output:
+    from .output import Output
+
+    return Output(
         as_json=params.pop("as_json"),
         quiet=params.pop("quiet"),
         hash_style=params.pop("hash_format"),
-    ),
+    )
+
+
+def _report_output(params: dict[str, Any]) -> Output:
+    from .output import Output
+
+    return Output(as_json=params.pop("as_json"), quiet=params.pop("quiet"))
+
+
+output_options = _group(
+    "out",
+    _output,
     json_lines_option,
     click.option(
         "--hash-format",
@@ -324,7 +337,7 @@ output_options = _group(
 
 report_options = _group(
     "out",
-    lambda params: Output(as_json=params.pop("as_json"), quiet=params.pop("quiet")),
+    _report_output,
     json_report_option,
     click.option(
         "-q", "--quiet", is_flag=True, help="No progress, diagnostics or report on stderr."

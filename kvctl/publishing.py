@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .events import Batch
+from .help import NATS_FORMATS, ZMQ_FORMATS
 from .pipeline import Emptied, Item, Malformed, Narrowed
-from .targets import NATS_FORMATS, ZMQ_FORMATS
 from .text import plural
 
 if TYPE_CHECKING:

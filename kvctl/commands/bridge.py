@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -15,7 +15,6 @@ from ..options import (
     report_options,
     source_arguments,
 )
-from ..output import Output
 from ..publishing import (
     Sending,
     linger,
@@ -27,6 +26,9 @@ from ..publishing import (
 )
 from ..redact import redact_url, shown_sources
 from ..selection import Filters, Limits
+
+if TYPE_CHECKING:
+    from ..output import Output
 
 
 @click.command("bridge", cls=KvctlCommand)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -14,11 +14,12 @@ from ..errors import ExitCode
 from ..events import Batch
 from ..help import KvctlCommand
 from ..options import Sources, filter_options, json_report_option, limit_options, source_arguments
-from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
-from ..session import live_addresses, on_interrupt, read
 from ..text import console, plural
+
+if TYPE_CHECKING:
+    from ..pipeline import Summary
 
 _SEVERITY_STYLE = {ERROR: "red", WARNING: "yellow", INFO: "cyan"}
 
@@ -146,6 +147,8 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
       kvctl check nats://127.0.0.1:4222 --num-blocks 8192 --fail-on warning -c 100000
     """
     from ..output import Output
+    from ..pipeline import Summary
+    from ..session import live_addresses, on_interrupt, read
 
     quiet = params["quiet"]
     diagnostics = Output(as_json=params["as_json"], quiet=quiet)

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from ..help import KvctlCommand
 from ..options import Sources, filter_options, json_report_option, limit_options, source_arguments
-from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
-from ..session import on_interrupt, read
 from ..text import plural
+
+if TYPE_CHECKING:
+    from ..pipeline import Summary
 
 
 def _num(value: Any, digits: int = 1) -> str:
@@ -242,6 +243,8 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
       kvctl stats nats://127.0.0.1:4222 -c 100000 --json | jq .reuse
     """
     from ..output import Output
+    from ..pipeline import Summary
+    from ..session import on_interrupt, read
     from ..stats import StatsCollector
 
     if params["plot_dir"]:

@@ -18,11 +18,9 @@ from ..options import (
     limit_options,
     source_arguments,
 )
-from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
 from ..sequence import GAP, SequenceTracker
-from ..session import on_interrupt, read
 from ..state import StreamState, WorkerKey, recv_time, worker_label
 from ..text import plural
 
@@ -325,6 +323,8 @@ def command(sources: Sources, selection: Filters, limits: Limits, **params: Any)
     from rich.console import Console
 
     from ..output import Output
+    from ..pipeline import Summary
+    from ..session import on_interrupt, read
 
     quiet = params["quiet"]
     diagnostics = Output(as_json=params["as_json"], quiet=quiet)
