@@ -12,7 +12,6 @@ the range of the per-round ratios (25th–75th percentile) as a measure of the n
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -47,8 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown commands: {', '.join(sorted(unknown))}")
     python = [sys.executable]
-    # the environment must not make kvctl read a config or wrap the help differently per run
-    os.environ.pop("COLUMNS", None)
     cases: dict[str, list[str]] = {"python -c pass": [*python, "-c", "pass"]}
     cases["kvctl --help"] = [*python, "-m", "kvctl", "--help"]
     for name in args.commands or COMMANDS:

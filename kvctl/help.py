@@ -66,8 +66,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 _SECTION_OF = {flag: title for title, flags in SECTIONS.items() for flag in flags}
 
 # The ``--format`` names, written out rather than asked of the codec registry (kvctl.formats):
-# every ``--help`` shows them as choices, and the codecs import msgpack and msgspec, which would
-# double the time of a help. tests/test_formats_registry.py keeps them equal to the registry.
+# a command's --help shows them as choices, and importing the codecs (msgspec, msgpack) takes
+# as long as importing click. tests/test_formats_registry.py keeps them equal to the registry.
 ZMQ_ENCODINGS: tuple[str, ...] = ("vllm", "vllm-array", "sglang", "seed")
 """The codecs' encodings sent on ZMQ, in registry order (``format_names(ZMQ)``)."""
 NATS_FORMATS: tuple[str, ...] = ("dynamo", "dynamo-json")
