@@ -1,23 +1,21 @@
 """The ``kvctl`` command group. Subcommands live one per module in ``kvctl/commands`` and are
-imported only when used, so ``kvctl --help`` stays fast. ``main`` is the one place where
-exceptions become exit codes."""
+imported only when used: ``kvctl --help`` lists them from :data:`COMMANDS` and imports none, so
+it costs little more than importing click. ``main`` is the one place where exceptions become
+exit codes."""
 
 from __future__ import annotations
 
 import importlib
 import os
-import pkgutil
 import signal
 import sys
-import traceback
 from collections.abc import Callable
 
 import click
 
-from . import __version__, commands
+from . import __version__
 from .errors import ExitCode, KvctlError
 from .help import envvar_of
-from .redact import redact_url
 from .text import CLOSING_WORDS
 
 
@@ -27,13 +25,44 @@ class Interrupted(KvctlError):
     exit_code = ExitCode.INTERRUPTED
 
 
+COMMANDS: dict[str, str] = {
+    "bridge": "Forward live streams to a target as they arrive: engine ZMQ -> Dynamo on NATS "
+    "(what Dynamo's ZMQ relay does in-process), old vLLM arrays -> the new map form, NATS -> ZMQ.",
+    "cat": "Print the events of recordings (files, segment directories or journals) in recorded "
+    "order, with tap's formatter, filters and stop conditions.",
+    "check": "Check KV-event streams for what breaks KV-aware routing.",
+    "inspect": "Show a recording's schema version, time range, seq range per publisher, counts "
+    "by type and worker, gaps, malformed messages, size and compression ratio.",
+    "record": "Record KV-event streams to Parquet, one row per event, raw bytes kept.",
+    "recover": "Convert the journal of a recorder that was killed (kill -9, power loss) to "
+    "Parquet.",
+    "replay": "Replay recordings into an engine (ZMQ PUB that binds) or a router (Dynamo on "
+    "NATS), in any producer's format, at the recorded pace, scaled, or at a fixed rate.",
+    "simulate": "Run a synthetic engine fleet that publishes realistic KV-cache events.",
+    "stats": "Summarise KV-event streams: per worker and overall.",
+    "tap": "Subscribe to KV-event streams and print every event.",
+    "top": "Watch KV-event streams live: one row per worker, refreshed every second.",
+}
+"""Every command (a module of ``kvctl/commands``) and its summary, the first sentence of its
+help: what ``kvctl --help`` lists, without importing a command module for it. A copy, kept equal
+to the commands by tests/test_contract.py (which prints the entry to paste when they differ):
+the commands' docstrings stay the one place the text is written."""
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(
-            m.name.replace("_", "-")
-            for m in pkgutil.iter_modules(commands.__path__)
-            if not m.name.startswith("_")
-        )
+        return sorted(COMMANDS)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """click's own listing, shortened by click as it shortens a command's help, from
+        :data:`COMMANDS` instead of the imported commands."""
+        limit = formatter.width - 6 - max(len(name) for name in COMMANDS)
+        rows = [
+            (name, click.Command(name, help=summary).get_short_help_str(limit))
+            for name, summary in sorted(COMMANDS.items())
+        ]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context) -> object:
         """Runs the command; the one place that handles Ctrl-C and SIGTERM: the command's
@@ -66,10 +95,12 @@ class LazyGroup(click.Group):
     @staticmethod
     def _show_traceback(ctx: click.Context) -> None:
         if ctx.params.get("traceback"):
+            import traceback  # on an error only: not in the cost of every --help
+
             traceback.print_exc(file=sys.stderr)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name not in self.list_commands(ctx):
+        if cmd_name not in COMMANDS:
             return None
         module = importlib.import_module(f"kvctl.commands.{cmd_name.replace('-', '_')}")
         return module.command
@@ -135,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as exc:
         code = exc.exit_code
     except click.ClickException as exc:
+        from .redact import redact_url  # on an error only: not in the cost of every --help
+
         # click declares message Final; redacted in place, every way of showing it is safe
         exc.message = redact_url(exc.message)  # type: ignore[misc]
         variable = _environment_variable(exc)
@@ -151,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         code = ExitCode.INTERRUPTED
     except KvctlError as exc:
         if str(exc):  # an empty message: already reported (e.g. a quiet interrupt)
+            from .redact import redact_url
+
             # the one place every error passes: no password of a source URL reaches stderr
             print(f"kvctl: {redact_url(str(exc))}", file=sys.stderr)
         code = exc.exit_code

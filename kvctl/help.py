@@ -65,6 +65,20 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 
 _SECTION_OF = {flag: title for title, flags in SECTIONS.items() for flag in flags}
 
+# The ``--format`` names, written out rather than asked of the codec registry (kvctl.formats):
+# a command's --help shows them as choices, and importing the codecs (msgspec, msgpack) takes
+# as long as importing click. tests/test_formats_registry.py keeps them equal to the registry.
+ZMQ_ENCODINGS: tuple[str, ...] = ("vllm", "vllm-array", "sglang", "seed")
+"""The codecs' encodings sent on ZMQ, in registry order (``format_names(ZMQ)``)."""
+NATS_FORMATS: tuple[str, ...] = ("dynamo", "dynamo-json")
+"""The codecs' encodings sent on NATS, in registry order (``format_names(NATS)``)."""
+ZMQ_FORMATS: tuple[str, ...] = ("raw", *ZMQ_ENCODINGS)
+"""``--format`` names a ZMQ target sends: the recorded bytes (``raw``) or a codec's encoding."""
+ARRAY_LAYOUTS: tuple[str, ...] = ("0.9", "0.10.2", "0.14", "0.17", "0.20", "0.22")
+"""The vLLM array layouts ``--array-layout`` offers (``engine_zmq.ARRAY_LAYOUTS``)."""
+DEFAULT_ARRAY_LAYOUT = "0.22"
+"""``engine_zmq.DEFAULT_ARRAY_LAYOUT``."""
+
 
 def section_of(param: click.Parameter) -> str:
     for flag in param.opts:

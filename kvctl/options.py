@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .events import EVENT_TYPES, HASH_STYLES
-from .formats.engine_zmq import ARRAY_LAYOUTS, DEFAULT_ARRAY_LAYOUT
-from .output import Output
+from .help import ARRAY_LAYOUTS, DEFAULT_ARRAY_LAYOUT, NATS_FORMATS, ZMQ_FORMATS
 from .selection import Filters, Limits
-from .targets import NATS_FORMATS, ZMQ_FORMATS, Target
 
 if TYPE_CHECKING:
+    from .output import Output
+    from .targets import Target
     from .transports.nats import NatsOptions
 
 F = Callable[..., Any]
@@ -286,6 +286,8 @@ limit_options = _group(
 
 
 def _target(params: dict[str, Any]) -> Target:
+    from .targets import Target  # the codecs behind it are not needed for --help
+
     return Target(
         url=params.pop("to"),
         encoding=params.pop("encoding"),
@@ -326,7 +328,7 @@ target_options = _group(
         "--array-layout",
         default=DEFAULT_ARRAY_LAYOUT,
         show_default=True,
-        type=click.Choice(list(ARRAY_LAYOUTS)),
+        type=click.Choice(ARRAY_LAYOUTS),
         help="vLLM release whose array length --format vllm-array writes.",
     ),
     click.option(
@@ -401,13 +403,26 @@ json_snapshots_option = click.option(
     help="One JSON snapshot per refresh on stdout instead of a screen.",
 )
 
-output_options = _group(
-    "out",
-    lambda params: Output(
+
+def _output(params: dict[str, Any]) -> Output:
+    from .output import Output
+
+    return Output(
         as_json=params.pop("as_json"),
         quiet=params.pop("quiet"),
         hash_style=params.pop("hash_format"),
-    ),
+    )
+
+
+def _report_output(params: dict[str, Any]) -> Output:
+    from .output import Output
+
+    return Output(as_json=params.pop("as_json"), quiet=params.pop("quiet"))
+
+
+output_options = _group(
+    "out",
+    _output,
     json_lines_option,
     click.option(
         "--hash-format",
@@ -427,7 +442,7 @@ def reporting(quiet_help: str, json_option: F = json_report_option) -> Callable[
     :class:`Output` (keyword ``out``); ``quiet_help`` says what that command's ``-q`` silences."""
     return _group(
         "out",
-        lambda params: Output(as_json=params.pop("as_json"), quiet=params.pop("quiet")),
+        _report_output,
         json_option,
         click.option("-q", "--quiet", is_flag=True, help=quiet_help),
     )

@@ -11,7 +11,6 @@ from typing import Any, Protocol
 
 from .errors import StrictModeError, TransportError, UsageError
 from .events import Batch, Event
-from .formats import decode_nats, decode_zmq
 from .selection import Filters, Limits
 from .sequence import GAP, SequenceTracker
 from .text import plural
@@ -378,6 +377,7 @@ class LiveSource:
     def batches(self, poll_ms: int = 100) -> Iterator[Batch | None]:
         from zmq import NOBLOCK, Again
 
+        from .formats import decode_nats, decode_zmq
         from .transports.nats import CONTROL
         from .transports.zmq import receive_all
 
@@ -453,6 +453,7 @@ class LiveSource:
         now = time.monotonic()
         if now < self.replay_silent_until.get(endpoint, 0.0):
             return []
+        from .formats import decode_zmq
         from .transports.zmq import fetch_replay
 
         replies, complete = fetch_replay(

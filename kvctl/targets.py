@@ -16,14 +16,11 @@ import msgpack
 from .errors import UsageError
 from .events import BLOCK_REMOVED, BLOCK_STORED, U64_MASK, Batch, Event, bytes_hash_to_int
 from .formats import dynamo, encoding_named, engine_zmq, format_names
-from .formats.codec import NATS, ZMQ, NatsEncoding, ZmqEncoding
+from .formats.codec import ZMQ, NatsEncoding, ZmqEncoding
+from .help import NATS_FORMATS, ZMQ_FORMATS
 
 if TYPE_CHECKING:
     from .transports.nats import NatsOptions
-
-ZMQ_FORMATS = ("raw", *format_names(ZMQ))
-"""``--format`` names a ZMQ target sends: the recorded bytes (``raw``) or a codec's encoding."""
-NATS_FORMATS = format_names(NATS)
 
 
 @dataclass(frozen=True)

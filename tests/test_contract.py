@@ -4,14 +4,18 @@ errors exit 2; the README documents every command; codecs stay pure."""
 from __future__ import annotations
 
 import ast
+import pkgutil
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
+import kvctl.cli
+from kvctl import commands
 from kvctl.cli import cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,17 +48,89 @@ def test_unknown_option_is_a_usage_error(name):
     assert result.returncode == 2 and b"Traceback" not in result.stderr
 
 
-def test_help_is_fast_and_imports_nothing_heavy():
-    code = (
-        "import sys, kvctl.cli as c; from click.testing import CliRunner; "
-        "CliRunner().invoke(c.cli, ['--help']); "
-        "print(sorted(m for m in ('pyarrow', 'nats', 'rich', 'zmq', 'matplotlib') "
-        "if m in sys.modules))"
+def test_the_help_lists_every_command_module():
+    """``kvctl --help`` lists the commands from kvctl.cli.COMMANDS: every module is there."""
+    modules = {
+        m.name.replace("_", "-")
+        for m in pkgutil.iter_modules(commands.__path__)
+        if not m.name.startswith("_")
+    }
+    assert set(kvctl.cli.COMMANDS) == modules
+    for name in COMMANDS:
+        assert cli.get_command(None, name).name == name  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_the_help_lists_each_command_s_own_summary(name):
+    """The summary in kvctl.cli.COMMANDS is the command's own, shortened alike at any width."""
+    command = cli.get_command(None, name)  # type: ignore[arg-type]
+    assert command is not None and not command.hidden
+    listed = click.Command(name, help=kvctl.cli.COMMANDS[name])
+    fix = f"in kvctl/cli.py COMMANDS: {name!r}: {command.get_short_help_str(10**6)!r}"
+    for limit in range(1, 200):
+        assert listed.get_short_help_str(limit) == command.get_short_help_str(limit), fix
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 100, 200])
+def test_the_command_list_is_click_s_own(width):
+    """Byte for byte what click lists when it imports every command to ask its help."""
+    ctx = click.Context(cli, info_name="kvctl", max_content_width=100, terminal_width=width)
+    static, imported = ctx.make_formatter(), ctx.make_formatter()
+    cli.format_commands(ctx, static)
+    click.Group.format_commands(cli, ctx, imported)
+    assert static.getvalue() == imported.getvalue()
+
+
+HEAVY_KVCTL = (
+    "kvctl.formats",
+    "kvctl.recording",
+    "kvctl.engine",
+    "kvctl.transports",
+    "kvctl.output",
+    "kvctl.session",
+    "kvctl.targets",
+    "kvctl.plots",
+    "kvctl.stats",
+)
+"""What decodes or encodes wire formats (msgpack, msgspec), reads or writes recordings
+(pyarrow), simulates, opens sockets (zmq, nats) or prints through rich: a command imports them
+when it runs, never for its --help."""
+
+_LOADED_BY_HELP = """
+import sys
+before = set(sys.modules)
+import kvctl.cli
+try:
+    kvctl.cli.main(sys.argv[1:])
+except SystemExit:
+    pass
+print(" ".join(sorted(set(sys.modules) - before)), file=sys.stderr)  # stdout has the help
+"""
+
+
+@pytest.mark.parametrize("name", [None, *COMMANDS])
+def test_help_is_fast_and_imports_nothing_heavy(name):
+    """``kvctl --help`` and ``kvctl CMD --help`` import click and what the help text needs:
+    no other third-party package, no asyncio, none of the kvctl modules above."""
+    args = [name, "--help"] if name else ["--help"]
+    result = subprocess.run(
+        [sys.executable, "-c", _LOADED_BY_HELP, *args],
+        cwd=REPO,
+        capture_output=True,
+        timeout=30,
+        check=True,
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, timeout=30, check=True
-    ).stdout.decode()
-    assert out.strip() == "[]"
+    loaded = result.stderr.decode().split()
+    heavy = [
+        m
+        for m in loaded
+        if m.startswith(HEAVY_KVCTL)
+        or m.split(".")[0] == "asyncio"
+        or m.split(".")[0] not in {*sys.stdlib_module_names, "click", "kvctl"}
+    ]
+    assert not heavy, f"`kvctl {' '.join(args)}` imports {heavy}"
+    if name is None:  # the command list comes from kvctl.cli.COMMANDS, not from the commands
+        assert not [m for m in loaded if m.startswith("kvctl.commands.")]
 
 
 NOT_IN_ENGINE = {"zmq", "nats", "click", "rich", "socket", "asyncio", "threading", "time"}

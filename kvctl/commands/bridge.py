@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import click
 
@@ -15,7 +16,6 @@ from ..options import (
     source_arguments,
     target_options,
 )
-from ..output import Output
 from ..publishing import (
     Sending,
     linger,
@@ -27,6 +27,9 @@ from ..publishing import (
 from ..redact import redact_url, shown_sources
 from ..selection import Filters, Limits
 from ..targets import Sender, Target
+
+if TYPE_CHECKING:
+    from ..output import Output
 
 
 @click.command("bridge", cls=KvctlCommand)

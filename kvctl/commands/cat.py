@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from ..help import KvctlCommand
 from ..options import Sources, filter_options, limit_options, output_options
-from ..output import Output
 from ..selection import Filters, Limits
-from ..session import stream
+
+if TYPE_CHECKING:
+    from ..output import Output
 
 
 @click.command("cat", cls=KvctlCommand)
@@ -33,4 +36,6 @@ def command(
       kvctl cat run.parquet --json --hash-format string --type BlockRemoved | jq .block_hashes
       kvctl cat segments/ -c 20 --worker 3
     """
+    from ..session import stream
+
     stream(Sources(sources), selection, limits, out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -14,12 +14,13 @@ from ..errors import ExitCode
 from ..events import Batch
 from ..help import KvctlCommand
 from ..options import Sources, filter_options, limit_options, reporting, source_arguments
-from ..output import Output
-from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
-from ..session import live_addresses, on_interrupt, read
 from ..text import plural
+
+if TYPE_CHECKING:
+    from ..output import Output
+    from ..pipeline import Summary
 
 _SEVERITY_STYLE = {ERROR: "red", WARNING: "yellow", INFO: "cyan"}
 
@@ -147,6 +148,8 @@ def command(
           --idle-timeout 30 --json > report.json
       kvctl check nats://127.0.0.1:4222 --num-blocks 8192 --fail-on warning -c 100000
     """
+    from ..pipeline import Summary
+    from ..session import live_addresses, on_interrupt, read
 
     quiet = out.quiet
     max_examples = params["max_examples"]

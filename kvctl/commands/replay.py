@@ -9,7 +9,6 @@ import click
 
 from ..help import KvctlCommand
 from ..options import filter_options, nats_auth_options, report_options, target_options
-from ..output import Output
 from ..pacing import Window
 from ..publishing import (
     Sending,
@@ -23,6 +22,7 @@ from ..selection import Filters
 from ..targets import Sender, Target, ZmqTarget
 
 if TYPE_CHECKING:
+    from ..output import Output
     from ..transports.nats import NatsOptions
 
 

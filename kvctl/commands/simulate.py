@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..formats import format_names
-from ..help import KvctlCommand
+from ..help import NATS_FORMATS, ZMQ_ENCODINGS, KvctlCommand
 from ..options import nats_auth_options, report_options
 from ..text import plural
 
@@ -127,7 +126,7 @@ if TYPE_CHECKING:
 @click.option(
     "--format",
     "encoding",
-    type=click.Choice(format_names()),
+    type=click.Choice((*ZMQ_ENCODINGS, *NATS_FORMATS)),
     help="Wire format: vllm (default on ZMQ), vllm-array, sglang, seed; dynamo "
     "(default on NATS) or dynamo-json.",
 )

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from ..help import KvctlCommand
 from ..options import Sources, filter_options, limit_options, reporting, source_arguments
-from ..output import Output
-from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
-from ..session import on_interrupt, read
 from ..text import plural
+
+if TYPE_CHECKING:
+    from ..output import Output
+    from ..pipeline import Summary
 
 
 def _num(value: Any, digits: int = 1) -> str:
@@ -231,6 +232,8 @@ def command(
       kvctl stats run.parquet --num-blocks 4096 --plot charts/
       kvctl stats nats://127.0.0.1:4222 -c 100000 --json | jq .reuse
     """
+    from ..pipeline import Summary
+    from ..session import on_interrupt, read
     from ..stats import StatsCollector
 
     if params["plot_dir"]:

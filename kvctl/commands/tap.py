@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from ..help import KvctlCommand
 from ..options import Sources, filter_options, limit_options, output_options, source_arguments
-from ..output import Output
 from ..selection import Filters, Limits
-from ..session import stream
+
+if TYPE_CHECKING:
+    from ..output import Output
 
 
 @click.command("tap", cls=KvctlCommand)
@@ -38,4 +41,6 @@ def command(
       kvctl tap nats://127.0.0.1:4222 --from-start -c 100
       kvctl tap tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558 --duration 60
     """
+    from ..session import stream
+
     stream(sources, selection, limits, out, strict)

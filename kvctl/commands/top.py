@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -19,12 +19,9 @@ from ..options import (
     reporting,
     source_arguments,
 )
-from ..output import Output
-from ..pipeline import Summary
 from ..redact import shown_sources
 from ..selection import Filters, Limits
 from ..sequence import GAP, SequenceTracker
-from ..session import on_interrupt, read
 from ..state import StreamState, WorkerKey, recv_time, worker_label
 from ..text import plural
 
@@ -52,6 +49,9 @@ COLUMNS = (
     ("malformed", "malformed"),
     ("last_seen_s", "seen"),
 )
+
+if TYPE_CHECKING:
+    from ..output import Output
 
 
 class _Row:
@@ -325,6 +325,9 @@ def command(
       kvctl top 0=tcp://10.0.0.1:5557 1=tcp://10.0.0.2:5557 --sort stores
       kvctl top nats://127.0.0.1:4222 --json --duration 10 | jq '.workers[].blocks_cached'
     """
+
+    from ..pipeline import Summary
+    from ..session import on_interrupt, read
 
     quiet = out.quiet
     as_json = out.as_json
