@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from .events import Batch
 from .pipeline import Emptied, Item, Malformed, Narrowed
-from .targets import NatsTarget, Target, ZmqTarget
-from .targets import open_target as open_target_named
 from .text import plural
 
 if TYPE_CHECKING:
     from .output import Output
+    from .targets import NatsTarget, Target, ZmqTarget
     from .transports.nats import NatsOptions
 
 
@@ -24,6 +23,8 @@ def open_target(to: Target, nats: NatsOptions, diagnostics: Any = None) -> ZmqTa
     """The target of a sending command's options (``--to``, ``--format``, ...) with the NATS
     credentials. ``diagnostics`` hears of a subscriber holding the sends (once) and of NATS
     outages, as they happen."""
+    from .targets import open_target as open_target_named  # the codecs: not for --help
+
     return open_target_named(
         to,
         nats,

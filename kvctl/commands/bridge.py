@@ -26,10 +26,10 @@ from ..publishing import (
 )
 from ..redact import redact_url, shown_sources
 from ..selection import Filters, Limits
-from ..targets import Sender, Target
 
 if TYPE_CHECKING:
     from ..output import Output
+    from ..targets import Target
 
 
 @click.command("bridge", cls=KvctlCommand)
@@ -51,6 +51,7 @@ def command(sources: Sources, to: Target, selection: Filters, limits: Limits, ou
     from ..pacing import Schedule
     from ..pipeline import Summary, run
     from ..session import on_interrupt, open_source
+    from ..targets import Sender
 
     assert sources.connection is not None  # live sources: the source options build it
     target = open_target(to, sources.connection.nats, out)

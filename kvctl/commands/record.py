@@ -8,20 +8,22 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..events import Batch, Event
 from ..help import KvctlCommand
 from ..options import Sources, filter_options, limit_options, reporting, source_arguments
-from ..output import Output
 from ..pipeline import Emptied, Gap, Item, Malformed, Narrowed
 from ..selection import Filters, Limits
 from ..text import plural
 
 _SIZE_UNITS: dict[str, float] = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME_UNITS: dict[str, float] = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+if TYPE_CHECKING:
+    from ..output import Output
 
 
 def _parse(value: str | None, units: dict[str, float], what: str) -> float | None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from ..help import KvctlCommand
 from ..options import reporting
-from ..output import Output
 from ..text import plural
+
+if TYPE_CHECKING:
+    from ..output import Output
 
 
 @click.command("recover", cls=KvctlCommand)

@@ -19,10 +19,10 @@ from ..publishing import (
     wait_subscribers,
 )
 from ..selection import Filters
-from ..targets import Sender, Target, ZmqTarget
 
 if TYPE_CHECKING:
     from ..output import Output
+    from ..targets import Target
     from ..transports.nats import NatsOptions
 
 
@@ -115,6 +115,7 @@ def command(
     from ..recording.source import RecordingSource
     from ..selection import Limits
     from ..session import on_interrupt
+    from ..targets import Sender, ZmqTarget
 
     if to.encoding == "raw" and (unique_hashes or selection.types or selection.workers or count):
         raise click.UsageError(
