@@ -32,7 +32,7 @@ def tap_simulation(workers: int, *extra: str) -> tuple[list[dict], dict]:
     base = free_port_range(workers)
     endpoints = [f"tcp://127.0.0.1:{base + i}" for i in range(workers)]
     tap = start_kvctl(
-        "tap", *endpoints, "--json", "--idle-timeout", "2", "--connect-timeout", "10", drain=True
+        "tap", *endpoints, "--json", "--idle-timeout", "4", "--connect-timeout", "10", drain=True
     )
     sim = run_main(*SIM, "--workers", str(workers), "--base-port", str(base), *extra, timeout=60)
     rc_tap, out, err = finish(tap, timeout=60)
