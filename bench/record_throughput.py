@@ -48,7 +48,6 @@ class Record:
 
     def consume(self, batches: int) -> tuple[float, int]:
         from kvctl.commands.record import RecordingSink, _labels
-        from kvctl.output import StderrDiagnostics
         from kvctl.pipeline import run
         from kvctl.recording.writer import RecordingWriter
         from kvctl.selection import Limits
@@ -57,9 +56,9 @@ class Record:
         try:
             writer = RecordingWriter(tmp / "run.parquet", labels=_labels([self.endpoint]))
             writer.converter_ready()  # process start-up (imports) is not steady-state ingest
-            sink = RecordingSink(writer, StderrDiagnostics(quiet=True))
+            sink = RecordingSink(writer)
             start = time.perf_counter()
-            summary = run(self.source, sink, Limits(idle_timeout=0.5), diagnostics=sink)
+            summary = run(self.source, [sink], Limits(idle_timeout=0.5))
             elapsed = time.perf_counter() - start - 0.5
             closing = time.perf_counter()
             result = writer.close()
@@ -91,7 +90,6 @@ def _recorder(endpoint: str, out: str, total_events: int, report) -> None:
     import threading
 
     from kvctl.commands.record import RecordingSink, _labels
-    from kvctl.output import StderrDiagnostics
     from kvctl.pipeline import LiveSource, SourceSpec, run
     from kvctl.recording.writer import RecordingWriter
     from kvctl.selection import Limits
@@ -100,7 +98,7 @@ def _recorder(endpoint: str, out: str, total_events: int, report) -> None:
     writer = RecordingWriter(out, labels=_labels([endpoint]))
     writer.converter_ready()
     report.put(("ready", None))
-    sink = RecordingSink(writer, StderrDiagnostics(quiet=True))
+    sink = RecordingSink(writer)
     samples: list[tuple[int, int | None, int | None]] = []
     done = threading.Event()
 
@@ -120,7 +118,7 @@ def _recorder(endpoint: str, out: str, total_events: int, report) -> None:
 
     threading.Thread(target=sample, daemon=True).start()
     start = time.perf_counter()
-    summary = run(source, sink, Limits(idle_timeout=2.0), diagnostics=sink)
+    summary = run(source, [sink], Limits(idle_timeout=2.0))
     elapsed = time.perf_counter() - start - 2.0
     closing = time.perf_counter()
     result = writer.close()

@@ -32,7 +32,7 @@ class Tap:
         with open("/dev/null", "wb") as devnull:
             sink = JsonLinesSink(devnull)
             start = time.perf_counter()
-            summary = run(self.source, sink, Limits(idle_timeout=0.5))
+            summary = run(self.source, [sink], Limits(idle_timeout=0.5))
             elapsed = time.perf_counter() - start - 0.5  # minus the idle wait that ended it
             sink.close()
         self.source.close()

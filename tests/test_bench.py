@@ -1,0 +1,38 @@
+"""Every benchmark still runs against the code it measures (tiny sizes; the figures are not
+checked: speed is measured by the benchmarks themselves, on a quiet machine)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+RUNS = {
+    "tap_throughput.py": ["--batches", "300", "--rounds", "1"],
+    "record_throughput.py": ["--batches", "300", "--rounds", "1"],
+    "record_throughput.py --convert": ["--convert", "--batches", "300", "--rounds", "1"],
+    "replay_throughput.py": ["--batches", "300", "--rounds", "1"],
+    "record_disk.py": ["--events", "3000", "--columns"],
+    "record_disk.py --tokens random": ["--tokens", "random", "--batches", "300"],
+    "sim_throughput.py": ["--workers", "2", "--requests", "50", "--repeat", "1"],
+    "simulate_output.py": ["--requests", "50", "--rounds", "1"],
+    "startup.py": ["--rounds", "1"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_benchmark_runs(name):
+    script = BENCH / name.split()[0]
+    result = subprocess.run(
+        [sys.executable, str(script), *RUNS[name]],
+        cwd=BENCH.parent,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip(), "a benchmark prints its figures"
