@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from .errors import UsageError
-from .events import BLOCK_REMOVED, BLOCK_STORED, U64_MASK, Batch, Event, bytes_hash_to_int
+from .events import U64_MASK, Batch, Event, bytes_hash_to_int
 from .formats import dynamo, encoding_named, engine_zmq, format_names
 from .formats.codec import ZMQ, NatsEncoding, ZmqEncoding
 from .help import NATS_FORMATS, ZMQ_FORMATS
@@ -347,49 +347,13 @@ class NatsTarget:
         }
 
 
-_VLLM_STORED_KEYS = (
-    "type",
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-)
-_VLLM_REMOVED_KEYS = ("type", "block_hashes", "medium")
-
-
-def _sent_as_is(event: Event) -> bool:
-    """True when vLLM's map encoder would send ``event`` unchanged: vLLM's keys in its order
-    and nothing else, a medium, and hashes that need no conversion (no bytes, no negative
-    ints). The simulator's events all are, so a batch of them is packed without building
-    each event again; anything else goes through the encoder."""
-    keys = tuple(event)
-    if keys == _VLLM_STORED_KEYS:
-        parent = event["parent_block_hash"]
-        if event["type"] != BLOCK_STORED or not (
-            parent is None or (type(parent) is int and parent >= 0)
-        ):
-            return False
-    elif keys != _VLLM_REMOVED_KEYS or event["type"] != BLOCK_REMOVED:
-        return False
-    hashes = event["block_hashes"]
-    if not event["medium"] or type(hashes) is not list:
-        return False
-    try:  # min raises on bytes (alone or among ints); ints >= 0 are sent as they are
-        return not hashes or min(hashes) >= 0
-    except TypeError:
-        return False
-
-
 def engine_payload(
     encoding: str, events: list[Event], ts: float | None, dp_rank: int | None, array_layout: str
 ) -> bytes:
     """The payload frame an engine's PUB socket sends for ``events`` in ``encoding``: vLLM's
     map form is packed directly when every event is already sent as it is (byte-identical to
     the encoder, without rebuilding each event)."""
-    if encoding == "vllm" and all(map(_sent_as_is, events)):
+    if encoding == "vllm" and all(map(engine_zmq.sent_as_vllm_sends_it, events)):
         return msgpack.packb([ts, events, dp_rank])
     return zmq_encoding(encoding).payload(events, ts, dp_rank, array_layout)
 

@@ -191,6 +191,34 @@ _VLLM_STORED_OPTIONAL = (
     "session_id",
     "lookahead_token_ids",
 )
+
+_VLLM_STORED_KEYS = ("type", *_VLLM_STORED)
+_VLLM_REMOVED_KEYS = ("type", "block_hashes", "medium")
+
+
+def sent_as_vllm_sends_it(event: Event) -> bool:
+    """True when vLLM's map encoder would send ``event`` unchanged: vLLM's keys in its order
+    and nothing else, a medium, and hashes that need no conversion (no bytes, no negative
+    ints). The simulator's events all are, so a batch of them is packed without building
+    each event again; anything else goes through the encoder."""
+    keys = tuple(event)
+    if keys == _VLLM_STORED_KEYS:
+        parent = event["parent_block_hash"]
+        if event["type"] != BLOCK_STORED or not (
+            parent is None or (type(parent) is int and parent >= 0)
+        ):
+            return False
+    elif keys != _VLLM_REMOVED_KEYS or event["type"] != BLOCK_REMOVED:
+        return False
+    hashes = event["block_hashes"]
+    if not event["medium"] or type(hashes) is not list:
+        return False
+    try:  # min raises on bytes (alone or among ints); ints >= 0 are sent as they are
+        return not hashes or min(hashes) >= 0
+    except TypeError:
+        return False
+
+
 _SGLANG_STORED_OPTIONAL = ("medium", "cache_salt", "session_id", "lora_name")
 
 
