@@ -167,7 +167,8 @@ _I64_MIN, _I63, _U64_LIMIT = -(1 << 63), 1 << 63, 1 << 64
 
 
 def rules_markdown() -> str:
-    """The rule table as Markdown, for the README and ``check --help`` (one source of truth)."""
+    """The rule table as Markdown, for the README (kept equal by tests/test_contract.py);
+    ``check --help`` lists the same ``RULES`` as plain lines."""
     lines = ["| id | name | severity | triggered by |", "|---|---|---|---|"]
     lines += [f"| {r.id} | {r.name} | {r.severity} | {r.summary} |" for r in RULES.values()]
     return "\n".join(lines)

@@ -48,7 +48,6 @@ def dumps(obj: Any) -> str:
     return _dumps(obj).decode()
 
 
-HASH_FIELDS = ("block_hashes", "parent_block_hash", "tokens_hashes")
 _TEXT_STYLES = ("hex", "string")  # styles that turn every int hash into text
 _TEMPLATE = dict.fromkeys(("type", *CORE_EVENT_FIELDS))
 

@@ -1,5 +1,6 @@
 """Where the layers meet: sources (transports + decoding) -> sequence tracking -> filters and
-stop conditions -> a sink. Commands only wire these pieces together."""
+stop conditions -> consumers, each handed every typed item through ``handle(item)``. Commands
+only wire these pieces together."""
 
 from __future__ import annotations
 
@@ -180,13 +181,6 @@ class Consumer(Protocol):
     method, every item; a consumer ignores the kinds it has no use for."""
 
     def handle(self, item: Item) -> None: ...
-
-
-class Source(Protocol):
-    def batches(self) -> Iterator[Batch | None]:
-        """Yield decoded batches; ``None`` when idle (lets the caller check its timers)."""
-
-    def close(self) -> None: ...
 
 
 Notify = Callable[[str, str], None]

@@ -16,11 +16,10 @@ import random
 from array import array
 from typing import Any
 
-from .events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, Batch
+from .events import BLOCK_REMOVED, BLOCK_STORED, Batch
 from .sequence import SequenceTracker
 from .state import StreamState, WorkerKey, batch_time, recv_time, worker_label
 
-_TYPES = (BLOCK_STORED, BLOCK_REMOVED, ALL_BLOCKS_CLEARED)
 PERCENTILES = (50, 90, 99)
 
 
@@ -184,6 +183,8 @@ class StatsCollector:
             return None  # no usable time: counted in totals, not in the timeline
         if self.t0 is None:
             self.t0 = t
+        if not math.isfinite(t - self.t0):  # times apart beyond a float: no decoder passes them
+            return None
         idx = int((t - self.t0) // self.bucket_s)
         if idx < 0:
             idx = 0  # a source whose clock is behind the first one's: count in the first bucket

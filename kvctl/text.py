@@ -7,7 +7,7 @@ _IRREGULAR = {"reply": "replies", "is": "are", "was": "were"}
 
 CLOSING_WORDS = "kvctl.closing_words"
 """Where a command leaves, in click's context ``meta``, what Ctrl-C (or SIGTERM) ends it with:
-``(finish, quiet)``, set by ``session.on_interrupt`` and used by ``cli.py`` only."""
+``(finish, quiet)``, set by ``session.on_interrupt`` and read by ``cli.py`` only."""
 
 
 def plural(n: int, noun: str, many: str | None = None, thousands: bool = False) -> str:

@@ -166,6 +166,12 @@ def test_readme_rule_table_is_the_checker_s():
     assert rules_markdown().strip() in (REPO / "README.md").read_text()
 
 
+def test_readme_schema_table_is_the_recording_s():
+    from kvctl.recording.schema import schema_table
+
+    assert schema_table() in (REPO / "README.md").read_text()
+
+
 @pytest.mark.parametrize("name", COMMANDS)
 def test_help_groups_options_and_names_their_environment_variables(name):
     """Shared options sit in the same section in every command, and every option's help names

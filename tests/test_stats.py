@@ -312,3 +312,12 @@ def test_lifetimes_in_seconds_on_a_log_axis():
     (ax,) = fig.axes
     assert ax.get_xscale() == "log" and ax.get_xlabel() == "lifetime (s)"
     assert {"0.1", "1", "10"} <= set(tick_labels(fig, ax.xaxis))
+
+
+def test_times_a_float_cannot_subtract_are_left_out_of_the_timeline():
+    """Found by the property test above: two timestamps so far apart that their difference
+    is infinite. Such batches count in the totals, not in the timeline."""
+    sc = StatsCollector()
+    for t in (1.6e297, -1.79e308):
+        sc.feed(Batch(source="s", events=[], format="x", ts=t))
+    assert sc.result()["overall"]["batches"] == 2

@@ -5,10 +5,12 @@ name, the ``Batch.format`` shapes it decodes to, how a message of it is recognis
 count, the first bytes of NATS data) and decoded, the ``--format`` names it encodes for and the
 event fields it knows. :data:`CODECS` lists them; everything else is derived from it:
 :func:`decode_zmq` and :func:`decode_nats` (detection, per message, so a source may switch
-formats or mix producers at any time), the ``--format`` choices of ``replay``, ``bridge`` and
-``simulate`` (:func:`format_names`), the targets' encoders (:func:`encoding_named`), ``check``'s
-known fields (:data:`KNOWN_FIELDS`) and the recipes a recording uses to rebuild frames it did
-not keep (:func:`frames_recipe`, :func:`rebuild_frames`).
+formats or mix producers at any time), the ``--format`` names of ``replay``, ``bridge`` and
+``simulate`` (:func:`format_names`; ``kvctl/help.py`` writes them out so that ``--help``
+imports no codec, and tests/test_formats_registry.py keeps the two equal), the targets'
+encoders (:func:`encoding_named`), ``check``'s known fields (:data:`KNOWN_FIELDS`) and the
+recipes a recording uses to rebuild frames it did not keep (:func:`frames_recipe`,
+:func:`rebuild_frames`).
 
 Adding a format:
 
@@ -23,9 +25,9 @@ Adding a format:
 3. Add ``tests/test_formats_<name>.py``: real messages of the producer decode to the canonical
    events, and what the encoders write decodes back to the same events.
 
-The ``--format`` choices then list the new names; the sentence of ``--help`` that describes
-each name in words (``kvctl/publishing.py``, ``kvctl/commands/simulate.py``) is prose to extend
-by hand.
+Then add the new ``--format`` names to ``kvctl/help.py`` (the registry test says so if you
+forget); the sentence of ``--help`` that describes each name in words (``target_options`` in
+``kvctl/options.py``, ``kvctl/commands/simulate.py``) is prose to extend by hand.
 
 Undecodable input never raises: the batch comes back with ``error`` set and the raw frames kept.
 That includes values nested beyond :data:`~kvctl.events.MAX_DEPTH` (the bound the recording

@@ -1,8 +1,8 @@
 """Everything about recordings, one job per module (commands import from the modules; this
 package imports nothing, so that ``kvctl --help`` never loads pyarrow):
 
-- :mod:`.schema`: the Parquet columns (``COLUMNS``), the Arrow schema, gap markers, the recipes
-  that rebuild raw frames; :mod:`.tagged_json`: lossless JSON for values no column fits;
+- :mod:`.schema`: the Parquet columns (``COLUMNS``), the Arrow schema, gap markers;
+  :mod:`.tagged_json`: lossless JSON for values no column fits;
   :mod:`.rows` (batches -> rows) and :mod:`.rebuild` (rows -> batches). Pure.
 - :mod:`.journal`: the raw journal the recorder appends to (writer, reader, header).
 - :mod:`.convert`: journal -> Parquet (re-decoding the frames); :mod:`.converter`: the

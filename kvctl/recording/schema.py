@@ -1,6 +1,7 @@
 """The recording schema: one Parquet row per event, its columns (:data:`COLUMNS`, the single
-source of truth: the README table is generated from it), the Arrow schema, gap markers, and the
-recipes that rebuild raw frames from the columns.
+source of truth: the README's table is :func:`schema_table`, checked by tests/test_contract.py),
+the Arrow schema and gap markers. The recipes that rebuild raw frames from the columns belong
+to the codecs (:func:`kvctl.formats.frames_recipe`).
 
 One row per event, so that SQL users query without unnesting; batch columns are repeated on
 every row of the batch (Parquet's dictionary/RLE encodings make that nearly free). A batch
@@ -109,7 +110,7 @@ class Gap:
 
 
 def schema_table() -> str:
-    """The schema as a Markdown table (for the README and ``kvctl inspect --schema``)."""
+    """The schema as a Markdown table: the README's, kept equal by tests/test_contract.py."""
     lines = ["| column | type | meaning |", "|---|---|---|"]
     for name, t, meaning in COLUMNS:
         shown = "dictionary<string>" if t == _DSTR else str(t).replace("<item: ", "<")
