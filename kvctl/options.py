@@ -131,16 +131,10 @@ def _sources(params: dict[str, Any]) -> Sources:
     )
 
 
-_EVENT_TYPE_NAMES = {
-    "blockstored": "BlockStored",
-    "blockremoved": "BlockRemoved",
-    "allblockscleared": "AllBlocksCleared",
-}
-
-
 def _selection(params: dict[str, Any]) -> Filters:
+    # click's Choice hands back the canonical name, whatever case was typed
     return Filters(
-        types=frozenset(_EVENT_TYPE_NAMES[t.lower()] for t in params.pop("types") or ()),
+        types=frozenset(params.pop("types") or ()),
         workers=frozenset(params.pop("workers") or ()),
     )
 
