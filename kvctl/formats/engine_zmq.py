@@ -421,6 +421,37 @@ def rebuild_frames(recipe: str, batch: Batch) -> list[bytes]:
     return [payload]
 
 
+def map_form_zmq_recipes(batches: list[Batch]) -> list[str | None] | None:
+    """What :func:`frames_recipe` says of each of ``batches`` (3-frame map-form engine batches
+    whose events are exactly as decoded, as the recording converter's fast path makes them),
+    checked for all at once: when the topics are UTF-8 and the payloads, re-encoded as one
+    msgpack array, are byte for byte the payloads received (msgpack is self-delimiting: equal
+    streams, equal payloads), each batch is rebuilt by the recipe of its payload's length.
+    ``None``: ask :func:`frames_recipe` batch by batch."""
+    payloads = [b.frames[2] for b in batches]
+    rebuilt = [
+        [b.ts, b.events, b.dp_rank] if p[0] == _FIXARRAY3 else [b.ts, b.events]
+        for b, p in zip(batches, payloads, strict=True)
+    ]
+    try:
+        packed = msgpack.packb(rebuilt)
+    except Exception:  # a value msgpack refuses: the codec decides
+        return None
+    data = b"".join(payloads)
+    header = 1 if len(batches) < 16 else 3 if len(batches) < 1 << 16 else 5
+    if len(packed) != header + len(data) or not packed.endswith(data):
+        return None
+    if [b.topic.encode("utf-8", "surrogatepass") for b in batches] != [
+        b.frames[0] for b in batches
+    ]:
+        return None
+    return [_ZMQ3 if p[0] == _FIXARRAY3 else _ZMQ2 for p in payloads]
+
+
+_FIXARRAY3 = 0x93  # how a 3-element payload [ts, events, dp_rank] starts
+_ZMQ3, _ZMQ2 = RECIPES[0], RECIPES[1]
+
+
 def _rebuilt_payload(ts: Any, events: list[Event], dp_rank: Any, fmt: str, n: int) -> bytes:
     # Array-form events were decoded into dicts in positional order: values() is the array.
     wire = events if fmt == MAP_FORM else [list(e.values()) for e in events]

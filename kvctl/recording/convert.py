@@ -24,7 +24,6 @@ from pathlib import Path
 from types import NoneType
 from typing import Any
 
-import msgpack
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -32,7 +31,7 @@ from .. import __version__
 from ..errors import DecodeError
 from ..events import TS_RANGE, Batch
 from ..formats import decode_nats, decode_zmq
-from ..formats.engine_zmq import MAP_FORM, unpack, worker_from_topic
+from ..formats.engine_zmq import MAP_FORM, map_form_zmq_recipes, unpack, worker_from_topic
 from ..selection import Filters
 from .counts import Counts
 from .disk import fsync_dir, publish, temp_path
@@ -150,7 +149,7 @@ class Decoder:
                     self.next_index,
                     self.raw_frames,
                     typed_only=True,
-                    recipes=_engine_recipes(items) if self.raw_frames == "auto" else None,
+                    recipes=map_form_zmq_recipes(items) if self.raw_frames == "auto" else None,
                 )
             except UntypedEvent:
                 pass  # an event the typed columns do not hold as it is: the tolerant way
@@ -276,38 +275,6 @@ class Decoder:
             batch.events = events
             out.append(batch)
         return out
-
-
-def _engine_recipes(batches: list[Batch]) -> list[str | None] | None:
-    """What :func:`~kvctl.formats.frames_recipe` says of each of ``batches`` (engine batches
-    as :meth:`Decoder.plain_items` returns them), checked for all at once: when the topics are
-    UTF-8 and the payloads, re-encoded as one msgpack array, are byte for byte the payloads
-    received (msgpack is self-delimiting: equal streams, equal payloads), each batch is
-    rebuilt by the recipe of its payload's length. ``None``: ask the codec batch by batch."""
-    payloads = [b.frames[2] for b in batches]
-    rebuilt = [
-        [b.ts, b.events, b.dp_rank] if p[0] == _ARRAY3 else [b.ts, b.events]
-        for b, p in zip(batches, payloads, strict=True)
-    ]
-    try:
-        packed = msgpack.packb(rebuilt)
-    except Exception:  # a value msgpack refuses: the codec decides
-        return None
-    data = b"".join(payloads)
-    header = 1 if len(batches) < 16 else 3 if len(batches) < 1 << 16 else 5
-    if len(packed) != header + len(data) or not packed.endswith(data):
-        return None
-    if [b.topic.encode("utf-8", "surrogatepass") for b in batches] != [
-        b.frames[0] for b in batches
-    ]:
-        return None
-    return [_RECIPE3 if p[0] == _ARRAY3 else _RECIPE2 for p in payloads]
-
-
-# A 3-element payload [ts, events, dp_rank] starts with fixarray(3); the recipes that rebuild
-# an engine batch of 3 and of 2 elements (kvctl.formats.engine_zmq.RECIPES).
-_ARRAY3 = 0x93
-_RECIPE3, _RECIPE2 = "zmq3", "zmq2"
 
 
 _JOURNAL_COLUMNS = (
