@@ -77,10 +77,11 @@ class Sending:
             self.sender.write(item.batch, item.batch.events)
 
 
-def wait_subscribers(target: Any, count: int | None, diagnostics: Any) -> None:
-    """``--wait-subscribers``: downstream first, so that nothing is sent into the void."""
+def wait_subscribers(target: Any, count: int | None, diagnostics: Any, where: str = "") -> None:
+    """``--wait-subscribers``: downstream first, so that nothing is sent into the void.
+    ``where`` ends the line that says so (simulate: `` on every worker``)."""
     if count:
-        diagnostics.say(f"kvctl: waiting for {plural(count, 'subscriber')}", "dim")
+        diagnostics.say(f"kvctl: waiting for {plural(count, 'subscriber')}{where}", "dim")
         while not target.wait_subscribers(count, 0.2):
             pass
 

@@ -217,6 +217,7 @@ def command(
       kvctl simulate --to nats://127.0.0.1:4222 --duration 60
       kvctl simulate --trace conversation_trace.jsonl --num-blocks 65536 --speedup 10
     """
+    from .. import publishing
     from ..engine import Fleet
     from ..engine.workload import TraceError
     from ..errors import UsageError
@@ -301,11 +302,7 @@ def command(
                 f"({target.subject})",
                 "dim",
             )
-        if wait_subscribers:
-            waiting = plural(wait_subscribers, "subscriber")
-            out.say(f"kvctl: waiting for {waiting} on every worker", "dim")
-            while not target.wait_subscribers(wait_subscribers, 0.2):
-                pass
+        publishing.wait_subscribers(target, wait_subscribers, out, where=" on every worker")
         if start_delay:
             time.sleep(start_delay)
         if epoch is None:
