@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .transports.nats import NatsOptions
 
 
-def open_target(to: Target, nats: NatsOptions, diagnostics: Any = None) -> ZmqTarget | NatsTarget:
+def open_target(to: Target, nats: NatsOptions, diagnostics: Any) -> ZmqTarget | NatsTarget:
     """The target of a sending command's options (``--to``, ``--format``, ...) with the NATS
     credentials. ``diagnostics`` hears of a subscriber holding the sends (once) and of NATS
     outages, as they happen."""
@@ -28,8 +28,8 @@ def open_target(to: Target, nats: NatsOptions, diagnostics: Any = None) -> ZmqTa
     return open_target_named(
         to,
         nats,
-        on_long_stall=stall_warning(diagnostics) if diagnostics is not None else None,
-        notify=transport_notice(diagnostics) if diagnostics is not None else None,
+        on_long_stall=stall_warning(diagnostics),
+        notify=transport_notice(diagnostics),
     )
 
 

@@ -459,21 +459,21 @@ def _fill_fast(
 
     def check(name: str, ok_types: set[type], per_event: Any) -> list[Any]:
         vals = [ev.get(name) for ev in evs]
-        if not set(map(type, vals)) <= ok_types or not per_event(vals, bulk=True):
+        if not set(map(type, vals)) <= ok_types or not per_event(vals):
             for i, v in enumerate(vals):
-                if type(v) not in ok_types or not per_event([v], bulk=False):
+                if type(v) not in ok_types or not per_event([v]):
                     bad.add(i)
         return vals
 
     def ints(lo: int, hi: int) -> Any:
-        def ok(vals: list[Any], bulk: bool) -> bool:
+        def ok(vals: list[Any]) -> bool:
             nums = [v for v in vals if v is not None]
             return not nums or (lo <= min(nums) and max(nums) < hi)
 
         return ok
 
     def int_lists(lo: int, hi: int, typecode: str | None = None) -> Any:
-        def ok(vals: list[Any], bulk: bool) -> bool:
+        def ok(vals: list[Any]) -> bool:
             flat = list(chain.from_iterable(v for v in vals if v))
             if not flat:
                 return True
@@ -491,7 +491,7 @@ def _fill_fast(
 
         return ok
 
-    def anything(vals: list[Any], bulk: bool) -> bool:
+    def anything(vals: list[Any]) -> bool:
         return True
 
     none, lst = type(None), list
