@@ -19,9 +19,11 @@ from kvctl.events import Event
 
 from .cache import extend_hashes
 from .engine import DEFAULT_STEP_OVERHEAD_S, DEFAULT_TOKEN_COST_S, Request, Worker
+from .routing import DynamoKnobs, Load, dynamo_cost
 from .workload import ChatParams, SyntheticWorkload, TraceWorkload
 
 ROUTERS = ("random", "round-robin", "kv", "prefix")
+_DYNAMO_DEFAULTS = DynamoKnobs()
 
 
 @dataclass
@@ -89,9 +91,10 @@ class Fleet:
     def route(self, req: Request) -> int:
         """Worker index for a new request. ``random``; ``round-robin``; ``prefix``: the worker
         with the longest cached prefix, ties by load (requests queued + running); ``kv``: the
-        lowest cost = prompt blocks not cached there + blocks of work queued there + blocks in
-        use there (Dynamo's KV-router cost with overlap weight 1), ties by load. ``prefix`` piles
-        every request sharing a first block onto one worker; ``kv`` trades hits against load."""
+        lowest Dynamo cost (:func:`.routing.dynamo_cost` with Dynamo's defaults: blocks to
+        prefill there, queued ones included, less the cached prefix, plus blocks in use there),
+        ties by load. ``prefix`` piles every request sharing a first block onto one worker;
+        ``kv`` trades hits against load."""
         n = len(self.workers)
         router = self.config.router
         if router == "random":
@@ -103,14 +106,18 @@ class Fleet:
         bs = self.config.block_size
         limit = (req.prompt_len - 1) // bs
         extend_hashes(req.hashes, req.tokens, limit, bs)
-        prompt_blocks = (req.prompt_len + bs - 1) // bs
+        # the simulator counts prefill in whole blocks (the prompt rounded up, the queue down),
+        # as it always has: seeded streams stay what they were
+        prompt_tokens = (req.prompt_len + bs - 1) // bs * bs
         best, best_key = 0, None
         for i, w in enumerate(self.workers):
             hit = w.cached_prefix_blocks(req.hashes, limit)
             if router == "prefix":
-                key: tuple[int, ...] = (-hit, w.load)
-            else:  # kv: blocks to prefill here (new + queued) + blocks in use, like Dynamo
-                key = (prompt_blocks - hit + w.queued_tokens() // bs + w.pool.used, w.load)
+                key: tuple[float, ...] = (-hit, w.load)
+            else:
+                load = Load(w.queued_tokens() // bs * bs, w.pool.used)
+                cost = dynamo_cost(prompt_tokens, bs, hit, 0, 0, load, _DYNAMO_DEFAULTS)
+                key = (cost.cost, w.load)
             if best_key is None or key < best_key:
                 best, best_key = i, key
         return best
