@@ -16,10 +16,10 @@ from random import Random
 from typing import Any
 
 from kvctl.events import Event
+from kvctl.routing import DynamoKnobs, Load, dynamo_cost
 
 from .cache import extend_hashes
 from .engine import DEFAULT_STEP_OVERHEAD_S, DEFAULT_TOKEN_COST_S, Request, Worker
-from .routing import DynamoKnobs, Load, dynamo_cost
 from .workload import ChatParams, SyntheticWorkload, TraceWorkload
 
 ROUTERS = ("random", "round-robin", "kv", "prefix")
@@ -91,7 +91,7 @@ class Fleet:
     def route(self, req: Request) -> int:
         """Worker index for a new request. ``random``; ``round-robin``; ``prefix``: the worker
         with the longest cached prefix, ties by load (requests queued + running); ``kv``: the
-        lowest Dynamo cost (:func:`.routing.dynamo_cost` with Dynamo's defaults: blocks to
+        lowest Dynamo cost (:func:`kvctl.routing.dynamo_cost` with Dynamo's defaults: blocks to
         prefill there, queued ones included, less the cached prefix, plus blocks in use there),
         ties by load. ``prefix`` piles every request sharing a first block onto one worker;
         ``kv`` trades hits against load."""

@@ -1,7 +1,8 @@
 """Routing policies as pure functions: given what an index says each (worker, dp rank) holds of a
 prompt, by tier, and each one's load, the score every policy gives it, the decision, and the
 formula with its numbers. No sockets, no clocks: ``kvctl query`` feeds it from an index's
-``/query`` answer, the simulator's ``kv`` router (:mod:`.fleet`) scores with :func:`dynamo_cost`.
+``/query`` answer; the simulator's ``kv`` router (``kvctl.engine.fleet``) scores with
+:func:`dynamo_cost`.
 
 Policies:
 
