@@ -239,6 +239,8 @@ def command(
     base = _base_url(index_url)
     notes: list[str] = []
     known, index_block_size = _workers(base, model_name, timeout)
+    # asked first: an index that knows no such model says so in its own words
+    answer = _query(base, token_ids, model_name, lora_name, timeout)
     if block_size is None:
         if index_block_size is None:
             raise UsageError(
@@ -250,7 +252,6 @@ def command(
             f"--block-size {block_size} differs from the index's {index_block_size} for "
             f"{model_name!r}: matched lengths are the index's, counted in blocks of {block_size}"
         )
-    answer = _query(base, token_ids, model_name, lora_name, timeout)
     overlaps = overlaps_from_dynamo(answer, block_size, notes)
     explanation = explain(
         overlaps,
