@@ -75,6 +75,7 @@ def test_an_index_that_is_not_an_http_url_is_a_usage_error():
     "content,words",
     [
         ("{", ["not JSON"]),
+        ("[" * 5000, ["not JSON"]),
         ("[1]", ["expected"]),
         ('{"1": {"active_decode_blocks": -1}}', ["not a count"]),
         ('{"1": {"decode": 3}}', ["expected an object with"]),
@@ -88,11 +89,24 @@ def test_a_bad_load_file_is_a_usage_error(tmp_path, content, words):
     one_line_error(query(*args), ExitCode.USAGE, "load.json", *words)
 
 
-def test_token_ids_from_a_file_or_stdin_in_either_form(tmp_path):
+def test_token_ids_in_either_form():
     assert parse_token_ids("[1, 2, 3]", "f") == [1, 2, 3]
     assert parse_token_ids("1,2\n3 4", "f") == [1, 2, 3, 4]
     with pytest.raises(UsageError, match="not an array of integers"):
         parse_token_ids('[1, "2"]', "f")
+    with pytest.raises(UsageError, match="not token ids"):
+        parse_token_ids("[" * 5000, "f")
+
+
+@pytest.mark.parametrize(
+    "content,words",
+    [(b"\xff\xfe garbage", ["cannot read token ids"]), (b"[true]", ["not an array of integers"])],
+)
+def test_a_bad_tokens_file_is_a_usage_error(tmp_path, content, words):
+    path = tmp_path / "prompt.txt"
+    path.write_bytes(content)
+    args = ("--index", "http://127.0.0.1:1", "--tokens-file", str(path))
+    one_line_error(query(*args), ExitCode.USAGE, "prompt.txt", *words)
 
 
 @given(st.text(max_size=40))

@@ -20,10 +20,10 @@ from ..routing import (
     Load,
     Overlap,
     WorkerKey,
-    explain,
     request_blocks,
     worker_label,
 )
+from ..routing import explain as explain_prompt
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -51,7 +51,6 @@ def _knob(flag: str, default: float, help_text: str) -> Any:
 @click.command("query", cls=KvctlCommand)
 @click.option(
     "--index",
-    "index_url",
     required=True,
     metavar="URL",
     help="A running prefix index: Dynamo's standalone indexer (python -m dynamo.indexer) or "
@@ -101,7 +100,6 @@ def _knob(flag: str, default: float, help_text: str) -> Any:
 )
 @click.option(
     "--load",
-    "load_file",
     type=click.File("r"),
     metavar="FILE",
     help='Load per worker from JSON: {"WORKER[:DP]": {"active_prefill_tokens": N, '
@@ -172,7 +170,6 @@ def _knob(flag: str, default: float, help_text: str) -> Any:
 @_knob("--llmd-storage-weight", _LLMD.disk_weight, "llm-d: score per block on storage (disk).")
 @click.option(
     "--explain",
-    "show_formulas",
     is_flag=True,
     help="Print each policy's formula with every worker's numbers.",
 )
@@ -186,7 +183,7 @@ def _knob(flag: str, default: float, help_text: str) -> Any:
 )
 @reporting("No notes on stderr (errors are still shown).")
 def command(
-    index_url: str,
+    index: str,
     tokens: str | None,
     tokens_file: Any,
     text: str | None,
@@ -196,7 +193,7 @@ def command(
     lora_name: str | None,
     block_size: int | None,
     policies: tuple[str, ...],
-    load_file: Any,
+    load: Any,
     prefill_tokens: tuple[str, ...],
     decode_blocks: tuple[str, ...],
     active_requests: tuple[str, ...],
@@ -211,7 +208,7 @@ def command(
     llmd_gpu_weight: float,
     llmd_cpu_weight: float,
     llmd_storage_weight: float,
-    show_formulas: bool,
+    explain: bool,
     timeout: float,
     out: Output,
 ) -> None:
@@ -235,8 +232,8 @@ def command(
           --decode-blocks 1=300 --prefill-tokens 2=4096 --policy dynamo --json
     """
     token_ids = _prompt(tokens, tokens_file, text, tokenizer, not no_special_tokens)
-    loads = _loads(load_file, prefill_tokens, decode_blocks, active_requests)
-    base = _base_url(index_url)
+    loads = _loads(load, prefill_tokens, decode_blocks, active_requests)
+    base = _base_url(index)
     notes: list[str] = []
     known, index_block_size = _workers(base, model_name, timeout)
     # asked first: an index that knows no such model says so in its own words
@@ -253,7 +250,7 @@ def command(
             f"{model_name!r}: matched lengths are the index's, counted in blocks of {block_size}"
         )
     overlaps = overlaps_from_dynamo(answer, block_size, notes)
-    explanation = explain(
+    explanation = explain_prompt(
         overlaps,
         len(token_ids),
         block_size,
@@ -273,7 +270,7 @@ def command(
         known,
     )
     context = {"index": base, "model_name": model_name, "lora_name": lora_name}
-    show(explanation, context, notes, out, show_formulas)
+    show(explanation, context, notes, out, explain)
 
 
 # -- input --------------------------------------------------------------------------------------
@@ -289,7 +286,7 @@ def parse_token_ids(text: str, where: str) -> list[int]:
                 raise ValueError("not an array of integers")
         else:
             values = [int(part) for part in stripped.replace(",", " ").split()]
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise UsageError(f"{where}: not token ids ({exc})") from None
     if not values:
         raise UsageError(f"{where}: no token ids")
@@ -326,7 +323,11 @@ def _prompt(
     if tokens is not None:
         return parse_token_ids(tokens, "--tokens")
     if tokens_file is not None:
-        return parse_token_ids(tokens_file.read(), tokens_file.name)
+        try:
+            content = tokens_file.read()
+        except (OSError, ValueError) as exc:  # unreadable, or not text
+            raise UsageError(f"{tokens_file.name}: cannot read token ids ({exc})") from None
+        return parse_token_ids(content, tokens_file.name)
     assert text is not None
     if tokenizer is None:
         raise UsageError("--text needs --tokenizer tokenizer.json")
@@ -362,7 +363,7 @@ def _loads(
         where = load_file.name
         try:
             document = json.load(load_file)
-        except ValueError as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise UsageError(f"{where}: not JSON ({exc})") from None
         if not isinstance(document, dict):
             raise UsageError(f'{where}: expected {{"WORKER[:DP]": {{...}}, ...}}')
