@@ -97,6 +97,9 @@ class DynamoKnobs:
     track_prefill_tokens: bool = True
 
 
+DEFAULT_DYNAMO = DynamoKnobs()
+
+
 @dataclass(frozen=True)
 class LlmdKnobs:
     """llm-d's tier weights (``DefaultKVCacheBackendConfig``: gpu 1.0, cpu 0.8, storage 0.3)."""
@@ -125,22 +128,25 @@ def dynamo_cost(
     prompt_tokens: int,
     block_size: int,
     device_blocks: float,
-    host_blocks: float,
-    disk_blocks: float,
-    load: Load,
-    knobs: DynamoKnobs,
+    host_blocks: float = 0,
+    disk_blocks: float = 0,
+    active_prefill_tokens: int = 0,
+    active_decode_blocks: int = 0,
+    active_requests: int = 0,
+    knobs: DynamoKnobs = DEFAULT_DYNAMO,
     min_active_prefill_tokens: int = 0,
 ) -> DynamoCost:
     """Dynamo 1.6's cost of sending a prompt of ``prompt_tokens`` to one candidate (lower is
-    better), with every term (see the module docstring)."""
+    better), with every term (see the module docstring); the load is the candidate's
+    :class:`Load`, field by field."""
     blocks = request_blocks(prompt_tokens, block_size)
     if knobs.track_prefill_tokens:
-        raw_prefill = (load.active_prefill_tokens + prompt_tokens) / block_size
+        raw_prefill = (active_prefill_tokens + prompt_tokens) / block_size
     else:
         raw_prefill = 0.0
     decay = 1.0
     if knobs.track_prefill_tokens and knobs.overlap_score_credit_decay > 0 and blocks:
-        excess = max(load.active_prefill_tokens - min_active_prefill_tokens, 0) / block_size
+        excess = max(active_prefill_tokens - min_active_prefill_tokens, 0) / block_size
         decay = 1.0 / (1.0 + knobs.overlap_score_credit_decay * excess / blocks)
     credit = (
         knobs.overlap_score_credit * decay * device_blocks
@@ -149,8 +155,8 @@ def dynamo_cost(
     )
     adjusted = max(raw_prefill - credit, 0.0)
     prefill_cost = knobs.prefill_load_scale * adjusted
-    decode = float(load.active_decode_blocks + blocks)
-    requests_cost = knobs.decode_active_request_weight * load.active_requests
+    decode = float(active_decode_blocks + blocks)
+    requests_cost = knobs.decode_active_request_weight * active_requests
     cost = prefill_cost + decode + requests_cost
     return DynamoCost(
         raw_prefill, decay, credit, adjusted, prefill_cost, decode, requests_cost, cost
@@ -252,7 +258,9 @@ def _dynamo(
             c.device_blocks,
             c.host_blocks,
             c.disk_blocks,
-            load,
+            load.active_prefill_tokens,
+            load.active_decode_blocks,
+            load.active_requests,
             knobs,
             min_prefill,
         )

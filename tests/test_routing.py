@@ -65,19 +65,19 @@ def test_load_moves_dynamo_off_the_cache_but_not_the_prefix_policies():
 
 
 def test_knobs_change_the_cost_as_dynamo_documents():
-    load = Load(active_prefill_tokens=32, active_decode_blocks=10, active_requests=3)
-    base = dynamo_cost(64, 16, 2, 1, 1, load, DynamoKnobs())
+    load = (32, 10, 3)  # active prefill tokens, decode blocks, requests
+    base = dynamo_cost(64, 16, 2, 1, 1, *load, DynamoKnobs())
     assert base.raw_prefill_blocks == (32 + 64) / 16
     assert base.overlap_credit_blocks == 2 + 0.75 + 0.25
     assert base.cost == (6 - 3) + (10 + 4)
-    scaled = dynamo_cost(64, 16, 2, 1, 1, load, DynamoKnobs(prefill_load_scale=2))
+    scaled = dynamo_cost(64, 16, 2, 1, 1, *load, DynamoKnobs(prefill_load_scale=2))
     assert scaled.cost == 2 * 3 + 14
-    per_request = dynamo_cost(64, 16, 2, 1, 1, load, DynamoKnobs(decode_active_request_weight=2))
+    per_request = dynamo_cost(64, 16, 2, 1, 1, *load, DynamoKnobs(decode_active_request_weight=2))
     assert per_request.cost == base.cost + 6
-    untracked = dynamo_cost(64, 16, 2, 1, 1, load, DynamoKnobs(track_prefill_tokens=False))
+    untracked = dynamo_cost(64, 16, 2, 1, 1, *load, DynamoKnobs(track_prefill_tokens=False))
     assert untracked.cost == 14
     # a credit above the prefill never makes it negative
-    clamped = dynamo_cost(64, 16, 4, 0, 0, Load(), DynamoKnobs(overlap_score_credit=5))
+    clamped = dynamo_cost(64, 16, 4, knobs=DynamoKnobs(overlap_score_credit=5))
     assert clamped.adjusted_prefill_blocks == 0 and clamped.cost == 4
 
 

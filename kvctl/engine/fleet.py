@@ -16,14 +16,13 @@ from random import Random
 from typing import Any
 
 from kvctl.events import Event
-from kvctl.routing import DynamoKnobs, Load, dynamo_cost
+from kvctl.routing import dynamo_cost
 
 from .cache import extend_hashes
 from .engine import DEFAULT_STEP_OVERHEAD_S, DEFAULT_TOKEN_COST_S, Request, Worker
 from .workload import ChatParams, SyntheticWorkload, TraceWorkload
 
 ROUTERS = ("random", "round-robin", "kv", "prefix")
-_DYNAMO_DEFAULTS = DynamoKnobs()
 
 
 @dataclass
@@ -115,8 +114,8 @@ class Fleet:
             if router == "prefix":
                 key: tuple[float, ...] = (-hit, w.load)
             else:
-                load = Load(w.queued_tokens() // bs * bs, w.pool.used)
-                cost = dynamo_cost(prompt_tokens, bs, hit, 0, 0, load, _DYNAMO_DEFAULTS)
+                queued = w.queued_tokens() // bs * bs
+                cost = dynamo_cost(prompt_tokens, bs, hit, 0, 0, queued, w.pool.used)
                 key = (cost.cost, w.load)
             if best_key is None or key < best_key:
                 best, best_key = i, key
