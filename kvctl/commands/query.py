@@ -438,7 +438,7 @@ def _request(url: str, body: Any, timeout: float) -> tuple[int, bytes]:
 def _json(url: str, status: int, payload: bytes) -> Any:
     try:
         return json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise TransportError(
             f"{url}: HTTP {status} with a body that is not JSON: {payload[:120]!r}"
         ) from None
@@ -449,10 +449,10 @@ def _workers(base: str, model: str, timeout: float) -> tuple[list[WorkerKey], in
     ``/workers`` (Dynamo's shape); nothing when the index has no such endpoint."""
     url = f"{base}/workers"
     status, payload = _request(url, None, timeout)
-    if status == 404:
+    if status != 200:  # an index without /workers: the answer's workers are the candidates
         return [], None
     document = _json(url, status, payload)
-    if status != 200 or not isinstance(document, list):
+    if not isinstance(document, list):
         return [], None
     keys: list[WorkerKey] = []
     block_sizes = set()
