@@ -46,6 +46,15 @@ def test_an_unreachable_index_is_one_line_and_exit_1():
     one_line_error(result, ExitCode.ERROR, f"127.0.0.1:{port}", "connection refused")
 
 
+def test_an_index_that_never_answers_is_given_up_after_timeout():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never answers
+        port = silent.getsockname()[1]
+        args = ("--index", f"http://127.0.0.1:{port}", "--tokens", "1", "--timeout", "0.3")
+        one_line_error(query(*args), ExitCode.ERROR, "no answer within 0.3 s")
+
+
 @pytest.mark.parametrize(
     "args,words",
     [
