@@ -323,3 +323,458 @@ class StreamState:
                     self._release(h)
             cache.blocks = {}
             cache.cleared += 1
+
+
+# --- the router's view: Dynamo's KV indexer --------------------------------------------------
+#
+# ``StreamState`` above is the engine's view, keyed by the engine's block hashes. A KV router
+# keys what it believes by token content: Dynamo's indexer walks a prefix tree of
+# ``tokens_hash`` values (xxh3_64 of each block's tokens, ``LocalBlockHash``), and each worker's
+# engine hashes only name positions in that tree. ``RouterIndex`` is that view, with the
+# decisions Dynamo 1.6 makes, observed on its standalone indexer (``python -m dynamo.indexer``)
+# and kept by tests/test_index_dynamo.py. Where ``check`` (StreamState) decides otherwise, on
+# purpose, for a checker that reports each lost event once:
+#
+# - a removal drops the block and every descendant the worker holds below it (StreamState
+#   drops the listed block only);
+# - ``AllBlocksCleared`` clears one (worker_id, dp_rank), every tier (StreamState: every dp
+#   rank of the worker_id);
+# - a store whose parent the worker does not hold is rejected whole on the device tier, as
+#   ``StreamState(strict_parents=True)`` does; lower tiers take it;
+# - a store whose ``block_size`` differs from the index's is dropped whole, and one whose
+#   ``token_ids`` run short ends at the first incomplete block;
+# - tiers are separate indexes: ``medium`` GPU (or none) is the device tier, CPU* the host
+#   tier, DISK/STORAGE disk, EXTERNAL external; any other medium is not indexed.
+
+DEVICE, HOST, DISK, EXTERNAL = "device", "host_pinned", "disk", "external"
+TIERS = (DEVICE, HOST, DISK, EXTERNAL)
+LOWER_TIERS = (HOST, DISK, EXTERNAL)
+"""Walked in this order after the device tier, each continuing where the previous one ended."""
+
+# Decisions (``status`` in the counters), Dynamo's names where it has one.
+OK = "ok"
+PARENT_NOT_FOUND = "parent_block_not_found"
+BLOCK_NOT_FOUND = "block_not_found"
+"""A removal that named a block the worker does not hold (the other blocks are removed)."""
+INVALID_BLOCK = "invalid_block"
+"""A store whose block size differs from the index's, or without a full block of tokens."""
+UNKNOWN_TIER = "unknown_medium"
+UNSUPPORTED_DOMAIN = "unsupported_residency_domain"
+DUPLICATE = "duplicate_store"
+"""A stored block the worker already held (a warning: the store is applied)."""
+
+IndexWorker = tuple[Any, int]
+"""(worker_id, dp_rank), as Dynamo's ``WorkerWithDpRank``."""
+
+
+def tier_of_medium(medium: Any) -> str | None:
+    """The Dynamo storage tier an engine's ``medium`` lands in; None: not indexed."""
+    if medium is None or medium == "GPU":
+        return DEVICE
+    if type(medium) is not str:
+        return None
+    if medium.startswith("CPU"):
+        return HOST
+    if medium in ("DISK", "STORAGE"):
+        return DISK
+    if medium == "EXTERNAL":
+        return EXTERNAL
+    return None
+
+
+def dynamo_block_hashes(
+    token_ids: list[int], block_size: int, lora_name: str | None = None
+) -> list[int]:
+    """Dynamo's ``compute_block_hash_for_seq``: the ``tokens_hash`` of every full block of a
+    prompt (a partial last block is not hashed), LoRA-seeded when ``lora_name`` is set."""
+    from .formats.dynamo import tokens_hash
+
+    full = len(token_ids) - len(token_ids) % block_size
+    return [
+        tokens_hash(token_ids[i : i + block_size], lora_name) for i in range(0, full, block_size)
+    ]
+
+
+class _Node:
+    """A block of the device tier's prefix tree: the workers holding it, each with its own
+    engine hash, and ``block_hash``, the engine hash of the first worker that stored it (what
+    Dynamo shows in ``/dump`` and anchors lower-tier walks on)."""
+
+    __slots__ = ("local", "block_hash", "parent", "children", "workers")
+
+    def __init__(self, local: int, block_hash: Any, parent: _Node | None) -> None:
+        self.local = local
+        self.block_hash = block_hash
+        self.parent = parent
+        self.children: dict[int, _Node] = {}
+        self.workers: dict[IndexWorker, Any] = {}
+
+
+class _LowerTier:
+    """One worker's blocks on a lower tier: Dynamo keeps them by engine hash, chained by the
+    parent hash each store named (whether or not that parent is held)."""
+
+    __slots__ = ("blocks", "children")
+
+    def __init__(self) -> None:
+        self.blocks: dict[Any, tuple[Any, int]] = {}  # hash -> (parent hash, tokens_hash)
+        self.children: dict[tuple[Any, int], Any] = {}  # (parent hash, tokens_hash) -> hash
+
+
+class Overlap(NamedTuple):
+    """What ``RouterIndex.query`` found, in blocks: ``device`` per worker that matched at least
+    one device block, ``lower[tier]`` the blocks each worker's match continued on that tier."""
+
+    device: dict[IndexWorker, int]
+    lower: dict[str, dict[IndexWorker, int]]
+
+
+class RouterIndex:
+    """What a Dynamo KV router believes each worker holds (see the section comment above).
+
+    Pure: fed batches (``apply``) or single events (``apply_event``), asked with token ids
+    (``query``) or Dynamo block hashes (``query_hashes``). ``response`` and ``dump`` build the
+    JSON of Dynamo's indexer endpoints ``/query`` and ``/dump``; ``decisions`` counts every
+    event by (event type, tier, status)."""
+
+    def __init__(
+        self, block_size: int, model_name: str = "default", routing_group: str = "default"
+    ) -> None:
+        self.block_size = block_size
+        self.model_name = model_name
+        self.routing_group = routing_group
+        self.root = _Node(0, None, None)
+        self.lookup: dict[IndexWorker, dict[Any, _Node]] = {}
+        self.lower: dict[str, dict[IndexWorker, _LowerTier]] = {t: {} for t in LOWER_TIERS}
+        self.decisions: dict[tuple[str, str, str], int] = {}
+        self.sources: dict[IndexWorker, str] = {}
+        """The address each worker was heard from (``/workers``)."""
+
+    @property
+    def model_key(self) -> str:
+        """Dynamo's key of this index in ``/dump``: ``model_name:routing_group``."""
+        return f"{self.model_name}:{self.routing_group}"
+
+    # --- feeding ---------------------------------------------------------------------------
+
+    def apply(self, batch: Batch) -> None:
+        """Every event of a batch: its worker is the event's own ``worker_id``/``dp_rank``
+        (Dynamo RouterEvents), else the batch's worker id (a source label, an llm-d topic, the
+        source address) and the batch's dp rank (the payload's, else the label's, else 0)."""
+        bkey = StreamState.batch_key(batch)
+        for ev in batch.events:
+            if type(ev) is not dict:
+                continue
+            key = StreamState.event_key(ev, bkey)
+            worker = (_worker_id(key[0]), key[1])
+            if worker not in self.sources:
+                self.sources[worker] = batch.source
+            self.apply_event(ev, worker)
+
+    def _count(self, etype: str, tier: str, status: str) -> None:
+        k = (etype, tier, status)
+        self.decisions[k] = self.decisions.get(k, 0) + 1
+
+    def apply_event(self, ev: Event, worker: IndexWorker) -> str:
+        """Apply one event for ``worker``; returns the decision (a status name)."""
+        etype = ev.get("type")
+        if etype == ALL_BLOCKS_CLEARED:
+            self.clear(worker)
+            self._count("cleared", DEVICE, OK)
+            return OK
+        if etype not in (BLOCK_STORED, BLOCK_REMOVED):
+            return UNKNOWN_TYPE
+        name = "stored" if etype == BLOCK_STORED else "removed"
+        tier = ev.get("storage_tier") or tier_of_medium(ev.get("medium"))
+        if tier not in TIERS:
+            self._count(name, str(tier), UNKNOWN_TIER)
+            return UNKNOWN_TIER
+        if ev.get("residency_domain") not in (None, "worker"):
+            self._count(name, tier, UNSUPPORTED_DOMAIN)
+            return UNSUPPORTED_DOMAIN
+        hashes = ev.get("block_hashes")
+        if type(hashes) is not list:
+            self._count(name, tier, INVALID_BLOCK)
+            return INVALID_BLOCK
+        if etype == BLOCK_REMOVED:
+            status = self.remove(worker, hashes, tier)
+        else:
+            locals_ = self._local_hashes(ev, len(hashes))
+            if not locals_:
+                status = INVALID_BLOCK
+            else:
+                parent = ev.get("parent_block_hash")
+                # a store whose tokens run short keeps its first blocks (zip stops there)
+                pairs = list(zip([norm_hash(h) for h in hashes], locals_, strict=False))
+                status = self.store(
+                    worker, None if parent is None else norm_hash(parent), pairs, tier
+                )
+        self._count(name, tier, status)
+        return status
+
+    def _local_hashes(self, ev: Event, count: int) -> list[int]:
+        """The blocks' ``tokens_hash``: as a Dynamo event carries them, else of the engine's
+        ``token_ids``, block by block, ending at the first block without its full tokens."""
+        given = ev.get("tokens_hashes")
+        if type(given) is list:
+            return [h & U64_MASK if type(h) is int else 0 for h in given[:count]]
+        size = ev.get("block_size")
+        if size is not None and size != self.block_size:
+            return []
+        tokens = ev.get("token_ids")
+        if type(tokens) is not list:
+            return []
+        size = self.block_size
+        usable = min(count, len(tokens) // size)
+        lora = ev.get("lora_name")
+        return dynamo_block_hashes(
+            tokens[: usable * size], size, lora if type(lora) is str else None
+        )
+
+    def store(
+        self, worker: IndexWorker, parent: Any, blocks: list[tuple[Any, int]], tier: str = DEVICE
+    ) -> str:
+        """Store ``(engine hash, tokens_hash)`` blocks chained under ``parent`` (an engine
+        hash the worker holds, or None from the root)."""
+        if tier != DEVICE:
+            held = self.lower[tier].setdefault(worker, _LowerTier())
+            duplicate = False
+            for h, local in blocks:
+                duplicate |= h in held.blocks
+                held.blocks[h] = (parent, local)
+                held.children[(parent, local)] = h
+                parent = h
+            if duplicate:
+                self._count("stored", tier, DUPLICATE)
+            return OK
+        lookup = self.lookup.setdefault(worker, {})
+        if parent is None:
+            node = self.root
+        else:
+            found = lookup.get(parent)
+            if found is None:
+                return PARENT_NOT_FOUND
+            node = found
+        duplicate = False
+        for h, local in blocks:
+            child = node.children.get(local)
+            if child is None:
+                child = node.children[local] = _Node(local, h, node)
+            duplicate |= h in lookup
+            child.workers[worker] = h
+            lookup[h] = child
+            node = child
+        if duplicate:
+            self._count("stored", tier, DUPLICATE)
+        return OK
+
+    def remove(self, worker: IndexWorker, hashes: list[Any], tier: str = DEVICE) -> str:
+        """Remove blocks (on the device tier with everything the worker holds below them);
+        unknown hashes are skipped, the others still removed."""
+        status = OK
+        if tier != DEVICE:
+            held = self.lower[tier].get(worker)
+            for raw in hashes:
+                entry = held.blocks.pop(norm_hash(raw), None) if held else None
+                if entry is None:
+                    status = BLOCK_NOT_FOUND
+                elif held is not None and held.children.get(entry) == norm_hash(raw):
+                    del held.children[entry]
+            return status
+        lookup = self.lookup.get(worker, {})
+        for raw in hashes:
+            node = lookup.get(norm_hash(raw))
+            if node is None:
+                status = BLOCK_NOT_FOUND
+                continue
+            self._drop_subtree(worker, node, lookup)
+        return status
+
+    def _drop_subtree(self, worker: IndexWorker, top: _Node, lookup: dict[Any, _Node]) -> None:
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            h = node.workers.pop(worker, None)
+            if h is None:
+                continue
+            if lookup.get(h) is node:
+                del lookup[h]
+            stack.extend(c for c in node.children.values() if worker in c.workers)
+            self._prune(node)
+
+    def _prune(self, node: _Node) -> None:
+        """Unlink blocks no worker holds and nothing hangs below, up the chain."""
+        while node.parent is not None and not node.workers and not node.children:
+            parent = node.parent
+            del parent.children[node.local]
+            node = parent
+
+    def clear(self, worker: IndexWorker) -> None:
+        """``AllBlocksCleared``: one worker and dp rank, every tier."""
+        lookup = self.lookup.pop(worker, {})
+        for node in list(lookup.values()):
+            node.workers.pop(worker, None)
+        for node in lookup.values():
+            self._prune(node)
+        for tier in LOWER_TIERS:
+            self.lower[tier].pop(worker, None)
+
+    # --- asking ----------------------------------------------------------------------------
+
+    def query(self, token_ids: list[int], lora_name: str | None = None) -> Overlap:
+        """Matched blocks per worker and tier for a prompt, hashed as Dynamo's ``/query``."""
+        return self.query_hashes(dynamo_block_hashes(token_ids, self.block_size, lora_name))
+
+    def query_hashes(self, local_hashes: list[int]) -> Overlap:
+        """Device tier: blocks matched from the first one on, per worker (a worker drops out
+        at its first missing block). Lower tiers, in order, continue each worker's match where
+        it ended, anchored on the engine hash of its last matched block; a worker with no
+        match so far enters a tier from its root."""
+        device: dict[IndexWorker, int] = {}
+        anchor: dict[IndexWorker, tuple[int, Any]] = {}
+        node = self.root
+        active: dict[IndexWorker, Any] | None = None
+        for depth, local in enumerate(local_hashes, 1):
+            child = node.children.get(local)
+            if child is None:
+                break
+            holders = child.workers
+            active = dict(holders) if active is None else {w: 0 for w in active if w in holders}
+            if not active:
+                break
+            for w in active:
+                device[w] = depth
+                anchor[w] = (depth, child.block_hash)
+            node = child
+        lower: dict[str, dict[IndexWorker, int]] = {}
+        for tier in LOWER_TIERS:
+            held_by = self.lower[tier]
+            if not held_by:
+                continue
+            hits: dict[IndexWorker, int] = {}
+            for w, held in held_by.items():
+                start, parent = anchor.get(w, (0, None))
+                pos = start
+                while pos < len(local_hashes):
+                    h = held.children.get((parent, local_hashes[pos]))
+                    if h is None:
+                        break
+                    parent = h
+                    pos += 1
+                if pos > start:
+                    hits[w] = pos - start
+                    anchor[w] = (pos, parent)
+            lower[tier] = hits
+        return Overlap(device, lower)
+
+    def response(self, overlap: Overlap) -> dict[str, Any]:
+        """Dynamo's ``/query`` JSON: ``scores`` (device tier, per worker and dp rank),
+        ``frequencies`` (always empty in Dynamo 1.6) and ``instances`` (per worker: matched
+        tokens on the GPU per dp rank, and cumulative through the CPU and disk tiers)."""
+        size = self.block_size
+        scores: dict[str, dict[str, int]] = {}
+        for (wid, dp), n in overlap.device.items():
+            scores.setdefault(str(wid), {})[str(dp)] = n * size
+        everyone = set(overlap.device)
+        for hits in overlap.lower.values():
+            everyone.update(hits)
+        instances: dict[str, dict[str, Any]] = {}
+        for w in everyone:
+            gpu = overlap.device.get(w, 0)
+            cpu = gpu + overlap.lower.get(HOST, {}).get(w, 0)
+            disk = (
+                cpu
+                + overlap.lower.get(DISK, {}).get(w, 0)
+                + overlap.lower.get(EXTERNAL, {}).get(w, 0)
+            )
+            s = instances.setdefault(
+                str(w[0]), {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0, "disk": 0}
+            )
+            s["dp"][str(w[1])] = gpu * size
+            s["gpu"] = max(s["gpu"], gpu * size)
+            s["cpu"] = max(s["cpu"], cpu * size)
+            s["disk"] = max(s["disk"], disk * size)
+            s["longest_matched"] = max(s["gpu"], s["cpu"], s["disk"])
+        return {"scores": scores, "frequencies": [], "instances": instances}
+
+    def dump(self) -> dict[str, Any]:
+        """Dynamo's ``/dump`` JSON: the index as RouterEvents that rebuild it. Device tier: one
+        store per worker per run of blocks without a branch, breadth first from the root;
+        lower tiers: one store per block, under the parent it was stored with."""
+        events: list[dict[str, Any]] = []
+        event_id = 0
+        queue = list(self.root.children.values())
+        while queue:
+            nxt: list[_Node] = []
+            for start in queue:
+                run = _run(start)
+                above = start.parent
+                parent = above.block_hash if above is not None and above is not self.root else None
+                for worker in start.workers:
+                    blocks = [_block(n.block_hash, n.local) for n in run]
+                    events.append(_stored(worker, DEVICE, event_id, parent, blocks))
+                    event_id += 1
+                nxt.extend(run[-1].children.values())
+            queue = nxt
+        for tier in LOWER_TIERS:
+            event_id = 0
+            for worker, held in self.lower[tier].items():
+                for h, (parent, local) in held.blocks.items():
+                    events.append(_stored(worker, tier, event_id, parent, [_block(h, local)]))
+                    event_id += 1
+        return {self.model_key: {"block_size": self.block_size, "events": events}}
+
+    def blocks_per_worker(self) -> dict[tuple[IndexWorker, str], int]:
+        """Blocks each worker holds on each tier (``/metrics``)."""
+        out = {(w, DEVICE): len(lookup) for w, lookup in self.lookup.items()}
+        for tier in LOWER_TIERS:
+            out.update({(w, tier): len(held.blocks) for w, held in self.lower[tier].items()})
+        return out
+
+    @property
+    def workers(self) -> list[IndexWorker]:
+        seen = set(self.lookup) | set(self.sources)
+        for tier in LOWER_TIERS:
+            seen |= set(self.lower[tier])
+        return sorted(seen, key=lambda w: (str(w[0]), w[1]))
+
+
+def _worker_id(wid: Any) -> Any:
+    """Dynamo's worker ids are integers: a label that reads as one is one."""
+    if type(wid) is str and wid.isdigit():
+        return int(wid)
+    return wid
+
+
+def _run(start: _Node) -> list[_Node]:
+    """The blocks from ``start`` down to the first branch, or to a block another set of
+    workers holds: one stored event per worker in ``/dump``, as Dynamo's compressed tree
+    keeps a run without branches in one node."""
+    run = [start]
+    node = start
+    while len(node.children) == 1:
+        child = next(iter(node.children.values()))
+        if child.workers.keys() != node.workers.keys():
+            break
+        run.append(child)
+        node = child
+    return run
+
+
+def _block(block_hash: Any, local: int) -> dict[str, Any]:
+    return {"block_hash": block_hash, "tokens_hash": local, "mm_extra_info": None}
+
+
+def _stored(
+    worker: IndexWorker, tier: str, event_id: int, parent: Any, blocks: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "worker_id": worker[0],
+        "storage_tier": tier,
+        "residency_domain": "worker",
+        "event": {
+            "event_id": event_id,
+            "data": {"stored": {"parent_hash": parent, "start_position": None, "blocks": blocks}},
+            "dp_rank": worker[1],
+        },
+    }
