@@ -360,8 +360,6 @@ INVALID_BLOCK = "invalid_block"
 """A store whose block size differs from the index's, or without a full block of tokens."""
 UNKNOWN_TIER = "unknown_medium"
 UNSUPPORTED_DOMAIN = "unsupported_residency_domain"
-DUPLICATE = "duplicate_store"
-"""A stored block the worker already held (a warning: the store is applied)."""
 
 IndexWorker = tuple[Any, int]
 """(worker_id, dp_rank), as Dynamo's ``WorkerWithDpRank``."""
@@ -435,7 +433,7 @@ class RouterIndex:
     Pure: fed batches (``apply``) or single events (``apply_event``), asked with token ids
     (``query``) or Dynamo block hashes (``query_hashes``). ``response`` and ``dump`` build the
     JSON of Dynamo's indexer endpoints ``/query`` and ``/dump``; ``decisions`` counts every
-    event by (event type, tier, status)."""
+    event by (event type, tier, status), ``duplicate_stores`` the stores of a block already held."""
 
     def __init__(
         self, block_size: int, model_name: str = "default", routing_group: str = "default"
@@ -447,6 +445,8 @@ class RouterIndex:
         self.lookup: dict[IndexWorker, dict[Any, _Node]] = {}
         self.lower: dict[str, dict[IndexWorker, _LowerTier]] = {t: {} for t in LOWER_TIERS}
         self.decisions: dict[tuple[str, str, str], int] = {}
+        self.duplicate_stores = 0
+        """Stores of a block the worker already held (applied; Dynamo warns)."""
         self.sources: dict[IndexWorker, str] = {}
         """The address each worker was heard from (``/workers``)."""
 
@@ -544,8 +544,7 @@ class RouterIndex:
                 held.blocks[h] = (parent, local)
                 held.children[(parent, local)] = h
                 parent = h
-            if duplicate:
-                self._count("stored", tier, DUPLICATE)
+            self.duplicate_stores += duplicate
             return OK
         lookup = self.lookup.setdefault(worker, {})
         if parent is None:
@@ -564,8 +563,7 @@ class RouterIndex:
             child.workers[worker] = h
             lookup[h] = child
             node = child
-        if duplicate:
-            self._count("stored", tier, DUPLICATE)
+        self.duplicate_stores += duplicate
         return OK
 
     def remove(self, worker: IndexWorker, hashes: list[Any], tier: str = DEVICE) -> str:
