@@ -76,27 +76,31 @@ def load_snapshot(path: Path) -> RouterIndex:
     try:
         dump = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise KvctlError(f"{path}: not a /dump snapshot ({exc})") from None
+        raise _not_snapshot(path, str(exc)) from None
     if not isinstance(dump, dict) or len(dump) != 1:
-        raise KvctlError(f"{path}: a /dump snapshot holds one model, as {{key: {{events}}}}")
+        raise _not_snapshot(path, "it holds one model, as {key: {block_size, events}}")
     key, body = next(iter(dump.items()))
     if not isinstance(body, dict) or type(body.get("block_size")) is not int:
-        raise KvctlError(f"{path}: model {key!r} has no integer block_size")
+        raise _not_snapshot(path, f"model {key!r} has no integer block_size")
     events = body.get("events")
     if not isinstance(events, list) or body["block_size"] < 1:
-        raise KvctlError(f"{path}: model {key!r} has no events array")
+        raise _not_snapshot(path, f"model {key!r} has no events array")
     model, _, group = key.rpartition(":")
     index = RouterIndex(body["block_size"], model or key, group if model else "default")
     for i, obj in enumerate(events):
         try:
             event = router_event_to_event(obj)
         except DecodeError as exc:
-            raise KvctlError(f"{path}: event {i}: {exc}") from None
+            raise _not_snapshot(path, f"event {i}: {exc}") from None
         wid, dp = event.get("worker_id"), event.get("dp_rank")
         worker = (wid, dp if type(dp) is int else 0)
         index.sources.setdefault(worker, str(path))
         index.apply_event(event, worker)
     return index
+
+
+def _not_snapshot(path: Path, why: str) -> KvctlError:
+    return KvctlError(f"{path}: not a /dump snapshot: {why}")
 
 
 def is_snapshot(addresses: tuple[str, ...]) -> bool:
@@ -330,6 +334,7 @@ def start_server(served: Served, host: str, port: int) -> ThreadingHTTPServer:
 @click.option(
     "--until",
     metavar="TIME|seq:N",
+    callback=lambda ctx, param, value: parse_until(value) if value else None,
     help="Recordings: the index as it stood then: batches received at or before TIME "
     "(ISO-8601 or unix seconds), or numbered at most N by their own publisher.",
 )
@@ -369,7 +374,7 @@ def command(
     from ..pipeline import Summary
     from ..session import on_interrupt, read
 
-    until = parse_until(params["until"]) if params["until"] else None
+    until: tuple[str, float] | None = params["until"]
     output: Path | None = params["output"]
     snapshot = is_snapshot(sources.addresses)
     if snapshot:
