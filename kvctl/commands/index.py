@@ -382,7 +382,7 @@ def command(
         kind = "snapshot"
     else:
         index = RouterIndex(params["block_size"], params["model_name"])
-        kind = "recording" if all(Path(a).exists() for a in sources.addresses) else "stream"
+        kind = _kind(sources.addresses)
     if until is not None and kind != "recording":
         raise UsageError("--until reads recordings (files or segment directories) only")
     served = Served(index, kind)
@@ -422,6 +422,16 @@ def command(
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+def _kind(addresses: tuple[str, ...]) -> str:
+    """What ``/workers`` calls the sources (Dynamo's indexer: ``zmq``)."""
+    schemes = {a.rpartition("=")[2].partition("://")[0] for a in addresses}
+    if schemes <= {"tcp", "ipc"}:
+        return "zmq"
+    if schemes == {"nats"}:
+        return "nats"
+    return "recording" if all(Path(a).exists() for a in addresses) else "stream"
 
 
 def _closing(summary: Summary) -> str:
