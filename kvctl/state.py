@@ -361,6 +361,9 @@ INVALID_BLOCK = "invalid_block"
 UNKNOWN_TIER = "unknown_medium"
 UNSUPPORTED_DOMAIN = "unsupported_residency_domain"
 
+SWEEP_FLOOR = 65_536
+"""Blocks no worker holds that Dynamo lets pile up before it unlinks them."""
+
 IndexWorker = tuple[Any, int]
 """(worker_id, dp_rank), as Dynamo's ``WorkerWithDpRank``."""
 
@@ -394,18 +397,73 @@ def dynamo_block_hashes(
 
 
 class _Node:
-    """A block of the device tier's prefix tree: the workers holding it, each with its own
-    engine hash, and ``block_hash``, the engine hash of the first worker that stored it (what
-    Dynamo shows in ``/dump`` and anchors lower-tier walks on)."""
+    """A node of the device tier's compressed prefix tree, as Dynamo 1.6 keeps it: an edge of
+    blocks (``tokens_hash`` and the engine hash of the worker that first stored it), the
+    workers covering the whole edge (``full``) or only its first ``k`` blocks (``cut``),
+    children by the ``tokens_hash`` of their first block. ``internal`` is sticky: a node that
+    ever had children is never extended in place again."""
 
-    __slots__ = ("local", "block_hash", "parent", "children", "workers")
+    __slots__ = ("local", "ext", "pos", "full", "cut", "children", "internal", "parent")
 
-    def __init__(self, local: int, block_hash: Any, parent: _Node | None) -> None:
-        self.local = local
-        self.block_hash = block_hash
-        self.parent = parent
+    def __init__(self, blocks: list[tuple[Any, int]], parent: _Node | None) -> None:
+        self.local = [local for _, local in blocks]
+        self.ext = [h for h, _ in blocks]
+        self.pos = {h: i for i, h in enumerate(self.ext)}
+        self.full: set[IndexWorker] = set()
+        self.cut: dict[IndexWorker, int] = {}
         self.children: dict[int, _Node] = {}
-        self.workers: dict[IndexWorker, Any] = {}
+        self.internal = False
+        self.parent = parent
+
+    def coverage(self, worker: IndexWorker) -> int:
+        return len(self.local) if worker in self.full else self.cut.get(worker, 0)
+
+    def cover(self, worker: IndexWorker, upto: int) -> None:
+        """Extend ``worker``'s coverage to the first ``upto`` blocks (never shortens it)."""
+        if upto >= len(self.local):
+            self.full.add(worker)
+            self.cut.pop(worker, None)
+        elif upto > self.cut.get(worker, 0) and worker not in self.full:
+            self.cut[worker] = upto
+
+    def holders(self) -> dict[IndexWorker, int]:
+        out = dict.fromkeys(self.full, len(self.local))
+        out.update(self.cut)
+        return out
+
+    def append(self, worker: IndexWorker, blocks: list[tuple[Any, int]]) -> None:
+        """Leaf extension by ``worker``: the other full workers now cover the old edge only."""
+        old = len(self.local)
+        for w in self.full:
+            if w != worker:
+                self.cut[w] = old
+        self.full = {worker}
+        for h, local in blocks:
+            self.pos.setdefault(h, len(self.local))
+            self.local.append(local)
+            self.ext.append(h)
+
+    def split(self, at: int) -> _Node:
+        """Keep the first ``at`` blocks here; the rest becomes the only child (with the old
+        children); returns that child."""
+        tail = _Node(list(zip(self.ext[at:], self.local[at:], strict=True)), self)
+        tail.children = self.children
+        for child in tail.children.values():
+            child.parent = tail
+        tail.internal = self.internal
+        tail.full = set(self.full)
+        for w, k in self.cut.items():
+            if k > at:
+                tail.cut[w] = k - at
+                self.full.add(w)
+            elif k == at:
+                self.full.add(w)
+        self.cut = {w: k for w, k in self.cut.items() if k < at}
+        del self.local[at:], self.ext[at:]
+        self.pos = {h: i for i, h in enumerate(self.ext)}
+        self.children = {tail.local[0]: tail}
+        self.internal = True
+        return tail
 
 
 class _LowerTier:
@@ -441,7 +499,10 @@ class RouterIndex:
         self.block_size = block_size
         self.model_name = model_name
         self.routing_group = routing_group
-        self.root = _Node(0, None, None)
+        self.root = _Node([], None)
+        self.live_blocks = 0
+        """Blocks on linked edges, and blocks no worker holds any more (for the sweep)."""
+        self.dead_blocks = 0
         self.lookup: dict[IndexWorker, dict[Any, _Node]] = {}
         self.lower: dict[str, dict[IndexWorker, _LowerTier]] = {t: {} for t in LOWER_TIERS}
         self.decisions: dict[tuple[str, str, str], int] = {}
@@ -449,6 +510,34 @@ class RouterIndex:
         """Stores of a block the worker already held (applied; Dynamo warns)."""
         self.sources: dict[IndexWorker, str] = {}
         """The address each worker was heard from (``/workers``)."""
+
+    @classmethod
+    def from_dump(cls, dump: Any) -> RouterIndex:
+        """The index a ``/dump`` describes (one model, as ``{key: {block_size, events}}``);
+        ValueError (a DecodeError for a bad RouterEvent) names what is wrong."""
+        from .formats.dynamo import router_event_to_event
+
+        if not isinstance(dump, dict) or len(dump) != 1:
+            raise ValueError("it holds one model, as {key: {block_size, events}}")
+        key, body = next(iter(dump.items()))
+        size = body.get("block_size") if isinstance(body, dict) else None
+        if type(size) is not int or size < 1:
+            raise ValueError(f"model {key!r} has no block_size")
+        events = body.get("events")
+        if not isinstance(events, list):
+            raise ValueError(f"model {key!r} has no events array")
+        model, _, group = str(key).rpartition(":")
+        index = cls(size, model or str(key), group if model else "default")
+        for i, obj in enumerate(events):
+            try:
+                event = router_event_to_event(obj)
+            except ValueError as exc:
+                raise ValueError(f"event {i}: {exc}") from None
+            dp = event.get("dp_rank")
+            worker = (_worker_id(event.get("worker_id")), dp if type(dp) is int else 0)
+            index.sources.setdefault(worker, "snapshot")
+            index.apply_event(event, worker)
+        return index
 
     @property
     def model_key(self) -> str:
@@ -547,28 +636,65 @@ class RouterIndex:
             self.duplicate_stores += duplicate
             return OK
         lookup = self.lookup.setdefault(worker, {})
+        self.duplicate_stores += any(h in lookup for h, _ in blocks)
         if parent is None:
-            node = self.root
+            node, at = self.root, 0
         else:
             found = lookup.get(parent)
-            if found is None:
+            # the parent must sit where the worker's lookup says, under the engine hash the
+            # edge keeps (a worker that stored the same tokens under other hashes misses)
+            i = found.pos.get(parent) if found is not None else None
+            if found is None or i is None or found.coverage(worker) <= i:
                 return PARENT_NOT_FOUND
-            node = found
-        duplicate = False
-        for h, local in blocks:
-            child = node.children.get(local)
-            if child is None:
-                child = node.children[local] = _Node(local, h, node)
-            duplicate |= h in lookup
-            child.workers[worker] = h
-            lookup[h] = child
-            node = child
-        self.duplicate_stores += duplicate
+            node, at = found, i + 1
+        i = 0
+        while i < len(blocks):
+            if at < len(node.local):  # inside an edge: reuse what matches, split where not
+                j = at
+                while i < len(blocks) and j < len(node.local) and node.local[j] == blocks[i][1]:
+                    lookup[blocks[i][0]] = node
+                    i += 1
+                    j += 1
+                if j < len(node.local) and i < len(blocks):
+                    self._relink(node.split(j), node)
+                node.cover(worker, j)
+                at = j
+                continue
+            child = node.children.get(blocks[i][1])
+            if child is not None:
+                node, at = child, 0
+            elif node is not self.root and not node.internal and worker in node.full:
+                node.append(worker, blocks[i:])  # decode extension of the worker's own leaf
+                self.live_blocks += len(blocks) - i
+                for h, _ in blocks[i:]:
+                    lookup[h] = node
+                return OK
+            else:
+                child = node.children[blocks[i][1]] = _Node(blocks[i:], node)
+                node.internal = True
+                child.full.add(worker)
+                self.live_blocks += len(blocks) - i
+                for h, _ in blocks[i:]:
+                    lookup[h] = child
+                return OK
         return OK
 
+    def _relink(self, tail: _Node, head: _Node) -> None:
+        """After a split: lookups that named the head for a block now in the tail name the
+        tail (Dynamo repairs them when it meets them; the outcome is the same)."""
+        for w in tail.holders():
+            lookup = self.lookup.get(w)
+            if lookup is None:
+                continue
+            for h in tail.ext:
+                if lookup.get(h) is head:
+                    lookup[h] = tail
+
     def remove(self, worker: IndexWorker, hashes: list[Any], tier: str = DEVICE) -> str:
-        """Remove blocks (on the device tier with everything the worker holds below them);
-        unknown hashes are skipped, the others still removed."""
+        """Remove blocks. Device tier, as Dynamo 1.6: the worker's coverage of the block's edge
+        ends before it (the rest of that edge goes too; descendants on other edges stay,
+        unreachable until the block is stored again); an edge no worker covers whole loses
+        its children. Unknown hashes are skipped, the others still removed."""
         status = OK
         if tier != DEVICE:
             held = self.lower[tier].get(worker)
@@ -581,41 +707,69 @@ class RouterIndex:
             return status
         lookup = self.lookup.get(worker, {})
         for raw in hashes:
-            node = lookup.get(norm_hash(raw))
-            if node is None:
+            h = norm_hash(raw)
+            node = lookup.pop(h, None)
+            i = node.pos.get(h) if node is not None else None
+            if node is None or i is None:
                 status = BLOCK_NOT_FOUND
                 continue
-            self._drop_subtree(worker, node, lookup)
+            covered = node.coverage(worker)
+            if i >= covered:
+                continue
+            for gone in node.ext[i:covered]:
+                if lookup.get(gone) is node:
+                    del lookup[gone]
+            node.full.discard(worker)
+            if i:
+                node.cut[worker] = i
+            else:
+                node.cut.pop(worker, None)
+                if not node.full and not node.cut:
+                    self.dead_blocks += len(node.local)
+            if not node.full and node.children:
+                node.children = {}
+        self._maybe_sweep()
         return status
 
-    def _drop_subtree(self, worker: IndexWorker, top: _Node, lookup: dict[Any, _Node]) -> None:
-        stack = [top]
+    def clear(self, worker: IndexWorker) -> None:
+        """``AllBlocksCleared``: one worker and dp rank, every tier; an edge it leaves without
+        a worker covering it whole loses its children, as on removal."""
+        self.lookup.pop(worker, None)
+        stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
-            h = node.workers.pop(worker, None)
-            if h is None:
-                continue
-            if lookup.get(h) is node:
-                del lookup[h]
-            stack.extend(c for c in node.children.values() if worker in c.workers)
-            self._prune(node)
-
-    def _prune(self, node: _Node) -> None:
-        """Unlink blocks no worker holds and nothing hangs below, up the chain."""
-        while node.parent is not None and not node.workers and not node.children:
-            parent = node.parent
-            del parent.children[node.local]
-            node = parent
-
-    def clear(self, worker: IndexWorker) -> None:
-        """``AllBlocksCleared``: one worker and dp rank, every tier."""
-        lookup = self.lookup.pop(worker, {})
-        for node in list(lookup.values()):
-            node.workers.pop(worker, None)
-        for node in lookup.values():
-            self._prune(node)
+            stack.extend(node.children.values())
+            if worker in node.full or worker in node.cut:
+                node.full.discard(worker)
+                node.cut.pop(worker, None)
+                if not node.full and not node.cut:
+                    self.dead_blocks += len(node.local)
+                if not node.full:  # nothing walks below an edge no worker covers whole
+                    node.children = {}
         for tier in LOWER_TIERS:
             self.lower[tier].pop(worker, None)
+        self._maybe_sweep()
+
+    def _maybe_sweep(self) -> None:
+        """Unlink leaves no worker holds once they are many: Dynamo's volume trigger (an
+        eighth of the live blocks and at least 65,536), not its five-minute timer."""
+        if self.dead_blocks < max(SWEEP_FLOOR, self.live_blocks // 8):
+            return
+        order: list[_Node] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        live = 0
+        for node in reversed(order):  # deepest first: a parent sees its children gone
+            parent = node.parent
+            if not node.full and not node.cut and not node.children and parent is not None:
+                if parent.children.get(node.local[0]) is node:
+                    del parent.children[node.local[0]]
+            else:
+                live += len(node.local)
+        self.live_blocks, self.dead_blocks = live, 0
 
     # --- asking ----------------------------------------------------------------------------
 
@@ -629,21 +783,49 @@ class RouterIndex:
         it ended, anchored on the engine hash of its last matched block; a worker with no
         match so far enters a tier from its root."""
         device: dict[IndexWorker, int] = {}
-        anchor: dict[IndexWorker, tuple[int, Any]] = {}
-        node = self.root
-        active: dict[IndexWorker, Any] | None = None
-        for depth, local in enumerate(local_hashes, 1):
-            child = node.children.get(local)
-            if child is None:
-                break
-            holders = child.workers
-            active = dict(holders) if active is None else {w: 0 for w in active if w in holders}
+        anchor: dict[IndexWorker, tuple[int, Any]] = {}  # blocks matched, last engine hash
+
+        def score(w: IndexWorker, depth: int, last: Any) -> None:
+            device[w] = depth
+            anchor[w] = (depth, last)
+
+        child = self.root.children.get(local_hashes[0]) if local_hashes else None
+        active: set[IndexWorker] = set()
+        depth = 0
+        last: Any = None  # engine hash of the last block of the previous edge
+        while child is not None:
+            edge, ext = child.local, child.ext
+            m = 1
+            while m < min(len(edge), len(local_hashes) - depth):
+                if edge[m] != local_hashes[depth + m]:
+                    break
+                m += 1
+            if depth == 0:  # the first edge: its full workers walk on, the others score here
+                active = set(child.full)
+                for w, k in child.cut.items():
+                    score(w, min(k, m), ext[min(k, m) - 1])
+            elif child.cut:
+                for w in list(active):
+                    if w in child.full:
+                        continue
+                    active.discard(w)
+                    k = min(child.cut.get(w, 0), m)
+                    score(w, depth + k, ext[k - 1] if k else last)
+            elif len(child.full) != len(active):
+                # Dynamo compares counts before sets: a worker that lost a block above keeps
+                # walking an edge that holds as many other workers (its own stale entries)
+                for w in active - child.full:
+                    active.discard(w)
+                    score(w, depth, last)
+            last = ext[m - 1]
             if not active:
                 break
-            for w in active:
-                device[w] = depth
-                anchor[w] = (depth, child.block_hash)
-            node = child
+            depth += m
+            if m < len(edge) or depth >= len(local_hashes):
+                break
+            child = child.children.get(local_hashes[depth])
+        for w in active:
+            score(w, depth, last)
         lower: dict[str, dict[IndexWorker, int]] = {}
         for tier in LOWER_TIERS:
             held_by = self.lower[tier]
@@ -695,25 +877,25 @@ class RouterIndex:
             s["longest_matched"] = max(s["gpu"], s["cpu"], s["disk"])
         return {"scores": scores, "frequencies": [], "instances": instances}
 
-    def dump(self) -> dict[str, Any]:
-        """Dynamo's ``/dump`` JSON: the index as RouterEvents that rebuild it. Device tier: one
-        store per worker per run of blocks without a branch, breadth first from the root;
-        lower tiers: one store per block, under the parent it was stored with."""
-        events: list[dict[str, Any]] = []
-        event_id = 0
+    def _nodes(self) -> Iterator[_Node]:
+        """Every node linked in the device tree, breadth first (parents before children)."""
         queue = list(self.root.children.values())
         while queue:
-            nxt: list[_Node] = []
-            for start in queue:
-                run = _run(start)
-                above = start.parent
-                parent = above.block_hash if above is not None and above is not self.root else None
-                for worker in start.workers:
-                    blocks = [_block(n.block_hash, n.local) for n in run]
-                    events.append(_stored(worker, DEVICE, event_id, parent, blocks))
-                    event_id += 1
-                nxt.extend(run[-1].children.values())
-            queue = nxt
+            yield from queue
+            queue = [child for node in queue for child in node.children.values()]
+
+    def dump(self) -> dict[str, Any]:
+        """Dynamo's ``/dump`` JSON: the index as RouterEvents that rebuild it. Device tier: one
+        store per edge of the tree per worker on it (the blocks it covers), breadth first from
+        the root, under the last block of the edge above; lower tiers: one store per block,
+        under the parent it was stored with."""
+        events: list[dict[str, Any]] = []
+        holders = ((node, w, k) for node in self._nodes() for w, k in node.holders().items())
+        for event_id, (edge, worker, covered) in enumerate(holders):
+            above = edge.parent
+            parent = above.ext[-1] if above is not None and above is not self.root else None
+            blocks = [_block(edge.ext[i], edge.local[i]) for i in range(covered)]
+            events.append(_stored(worker, DEVICE, event_id, parent, blocks))
         for tier in LOWER_TIERS:
             event_id = 0
             for worker, held in self.lower[tier].items():
@@ -724,7 +906,10 @@ class RouterIndex:
 
     def blocks_per_worker(self) -> dict[tuple[IndexWorker, str], int]:
         """Blocks each worker holds on each tier (``/metrics``)."""
-        out = {(w, DEVICE): len(lookup) for w, lookup in self.lookup.items()}
+        out: dict[tuple[IndexWorker, str], int] = {}
+        for node in self._nodes():
+            for w, k in node.holders().items():
+                out[(w, DEVICE)] = out.get((w, DEVICE), 0) + k
         for tier in LOWER_TIERS:
             out.update({(w, tier): len(held.blocks) for w, held in self.lower[tier].items()})
         return out
@@ -742,21 +927,6 @@ def _worker_id(wid: Any) -> Any:
     if type(wid) is str and wid.isdigit():
         return int(wid)
     return wid
-
-
-def _run(start: _Node) -> list[_Node]:
-    """The blocks from ``start`` down to the first branch, or to a block another set of
-    workers holds: one stored event per worker in ``/dump``, as Dynamo's compressed tree
-    keeps a run without branches in one node."""
-    run = [start]
-    node = start
-    while len(node.children) == 1:
-        child = next(iter(node.children.values()))
-        if child.workers.keys() != node.workers.keys():
-            break
-        run.append(child)
-        node = child
-    return run
 
 
 def _block(block_hash: Any, local: int) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import urllib.request
 
 import pytest
 from conftest import finish, free_port, free_port_range, interrupt, read_until, start_kvctl
+from test_index import chains
 
 from kvctl.recording.source import RecordingSource
 
@@ -30,22 +31,6 @@ def get(url: str, body: dict | None = None):
     request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read() or b"null")
-
-
-def chains(dump: dict) -> set[tuple]:
-    """Every block of a /dump with its parent link: equal however the stores are split."""
-    out = set()
-    for key, model in dump.items():
-        for ev in model["events"]:
-            stored = ev["event"]["data"]["stored"]
-            parent = stored["parent_hash"]
-            for block in stored["blocks"]:
-                out.add(
-                    (key, ev["worker_id"], ev["event"]["dp_rank"], ev["storage_tier"], parent)
-                    + (block["block_hash"], block["tokens_hash"])
-                )
-                parent = block["block_hash"]
-    return out
 
 
 def prompts(recording: str) -> list[tuple[list[int], str | None]]:
@@ -147,3 +132,123 @@ def test_kvctl_index_answers_as_dynamos_indexer(tmp_path):
         finish(kvctl)
         dynamo.terminate()
         dynamo.wait(10)
+
+
+def T(a: int, b: int) -> list[int]:
+    return list(range(a, b))
+
+
+def store(hashes, parent, tokens, medium=None, lora_name=None, block_size=4) -> dict:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": block_size,
+        "lora_id": 1 if lora_name else None,
+        "medium": medium,
+        "lora_name": lora_name,
+    }
+
+
+def remove(hashes, medium=None) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+
+
+# (engine, dp rank of the batch or None, events): every decision the index makes, in phases
+SCRIPT: list[list[tuple[int, int | None, list[dict]]]] = [
+    [  # shared prefixes, another worker's hashes for the same tokens, a dp rank
+        (0, None, [store([101, 102, 103], None, T(0, 12))]),
+        (2, None, [store([101, 102], None, T(0, 8)), store([50], 102, [9, 9, 9, 9])]),
+    ],
+    [(1, None, [store([201, 202], None, T(0, 8))])],
+    [  # removal drops descendants; unknown removal; unknown parent; stores under a removed one
+        (0, None, [store([10, 11, 12], None, T(100, 112))]),
+        (0, None, [remove([11]), remove([777, 10])]),
+        (0, None, [store([13], 12, T(112, 116)), store([99], 5555, T(300, 304))]),
+    ],
+    [  # tiers, media that are not indexed, a block size not the index's, short tokens, LoRA
+        (2, None, [store([3], 102, T(8, 12), "CPU"), store([4], 3, T(12, 16), "CPU_PINNED")]),
+        (2, None, [store([6], 4, T(16, 20), "DISK"), store([7], 6, T(20, 24), "EXTERNAL")]),
+        (2, None, [store([8], None, T(400, 404), "cpu"), store([9], None, T(404, 408), "weird")]),
+        (2, None, [store([4000, 4001], None, T(4000, 4008), block_size=8)]),
+        (2, None, [store([5000, 5001], None, T(5000, 5006))]),
+        (2, None, [store([3000], None, T(3000, 3004), lora_name="myl")]),
+        (2, None, [store([60], None, T(600, 604), "STORAGE"), store([61], None, T(0, 4), "CPU")]),
+    ],
+    [  # a dp rank from the batch, on the socket labelled dp 1; the first holder leaves
+        (1, 3, [store([301], None, T(0, 4))]),
+        (1, 0, [store([302], None, T(700, 704))]),
+        (0, None, [remove([101])]),
+    ],
+    [  # cleared: one worker and dp rank, every tier
+        (2, None, [remove([3], "CPU")]),
+        (1, None, [{"type": "AllBlocksCleared"}]),
+    ],
+    [(2, None, [{"type": "AllBlocksCleared"}])],
+]
+
+QUERIES: list[tuple[list[int], str | None]] = [
+    (T(0, 24), None),
+    (T(0, 8) + [9, 9, 9, 9], None),
+    (T(0, 4), None),
+    (T(100, 116), None),
+    (T(300, 304), None),
+    (T(400, 408), None),
+    (T(4000, 4008), None),
+    (T(5000, 5008), None),
+    (T(3000, 3004), "myl"),
+    (T(3000, 3004), None),
+    (T(600, 604), None),
+    (T(700, 704), None),
+    ([], None),
+    (T(0, 3), None),
+]
+
+
+def test_every_decision_against_dynamos_indexer(tmp_path):
+    """A scripted engine stream over three sockets (worker 1 dp 0, worker 1 dp 1, worker 2):
+    after each phase both indexes hold the same chains and answer the same queries."""
+    from conftest import Engine
+
+    ports = [free_port() for _ in range(3)]
+    labels = [f"1=tcp://127.0.0.1:{ports[0]}", f"1:1=tcp://127.0.0.1:{ports[1]}"]
+    labels.append(f"2=tcp://127.0.0.1:{ports[2]}")
+    engines = [Engine(f"tcp://127.0.0.1:{p}") for p in ports]
+    dynamo_port = free_port()
+    dynamo = subprocess.Popen(
+        [sys.executable, "-m", "dynamo.indexer", "--block-size", "4", "--port", str(dynamo_port)]
+        + ["--workers", ",".join(labels)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "DYN_LOG": "error"},
+    )
+    kvctl = start_kvctl("index", *labels, "--block-size", "4", "--port", "0", "--json", "-q")
+    ours = json.loads(read_until(kvctl.stdout, '"serving"')[-1])["serving"]
+    theirs = f"http://127.0.0.1:{dynamo_port}"
+    try:
+        for e in engines:
+            e.wait_for(2)
+        for number, phase in enumerate(SCRIPT):
+            for engine, dp, events in phase:
+                engines[engine].send(events, dp_rank=dp)
+            deadline = time.monotonic() + 20
+            while True:  # both apply asynchronously: until they agree, bounded
+                try:
+                    mine, dynamos = chains(get(ours + "/dump")), chains(get(theirs + "/dump"))
+                except (OSError, urllib.error.URLError):
+                    mine, dynamos = set(), {None}
+                if mine == dynamos or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert mine == dynamos, (number, mine ^ dynamos)
+            for tokens, lora in QUERIES:
+                body = {"token_ids": tokens, "model_name": "default", "lora_name": lora}
+                assert get(ours + "/query", body) == get(theirs + "/query", body), (number, body)
+    finally:
+        interrupt(kvctl)
+        finish(kvctl)
+        dynamo.terminate()
+        dynamo.wait(10)
+        for e in engines:
+            e.close()

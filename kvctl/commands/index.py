@@ -69,38 +69,13 @@ def until_keeps(until: tuple[str, float] | None, batch: Batch) -> bool:
 
 
 def load_snapshot(path: Path) -> RouterIndex:
-    """An index rebuilt from a ``/dump`` (kvctl's ``-o`` or Dynamo's own): one model."""
-    from ..errors import DecodeError
-    from ..formats.dynamo import router_event_to_event
-
+    """An index rebuilt from a ``/dump`` file (kvctl's ``-o`` or Dynamo's own)."""
     try:
-        dump = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise _not_snapshot(path, str(exc)) from None
-    if not isinstance(dump, dict) or len(dump) != 1:
-        raise _not_snapshot(path, "it holds one model, as {key: {block_size, events}}")
-    key, body = next(iter(dump.items()))
-    if not isinstance(body, dict) or type(body.get("block_size")) is not int:
-        raise _not_snapshot(path, f"model {key!r} has no integer block_size")
-    events = body.get("events")
-    if not isinstance(events, list) or body["block_size"] < 1:
-        raise _not_snapshot(path, f"model {key!r} has no events array")
-    model, _, group = key.rpartition(":")
-    index = RouterIndex(body["block_size"], model or key, group if model else "default")
-    for i, obj in enumerate(events):
-        try:
-            event = router_event_to_event(obj)
-        except DecodeError as exc:
-            raise _not_snapshot(path, f"event {i}: {exc}") from None
-        wid, dp = event.get("worker_id"), event.get("dp_rank")
-        worker = (wid, dp if type(dp) is int else 0)
-        index.sources.setdefault(worker, str(path))
-        index.apply_event(event, worker)
+        index = RouterIndex.from_dump(json.loads(path.read_text()))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # a DecodeError is a ValueError
+        raise KvctlError(f"{path}: not a /dump snapshot: {exc}") from None
+    index.sources = dict.fromkeys(index.sources, str(path))
     return index
-
-
-def _not_snapshot(path: Path, why: str) -> KvctlError:
-    return KvctlError(f"{path}: not a /dump snapshot: {why}")
 
 
 def is_snapshot(addresses: tuple[str, ...]) -> bool:
