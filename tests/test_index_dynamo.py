@@ -252,3 +252,104 @@ def test_every_decision_against_dynamos_indexer(tmp_path):
         dynamo.wait(10)
         for e in engines:
             e.close()
+
+
+def random_phases(rng: random.Random, phases: int) -> list[list[tuple[int, None, list[dict]]]]:
+    """Engines storing chains that share prefixes (whole prompts, then decode blocks one at
+    a time), evicting blocks anywhere in a chain (the head, the middle, the tail, several at
+    once, unknown ones), and now and then clearing everything."""
+    base = [T(0, 8), T(0, 4) + T(50, 54), T(100, 104)]
+    held: list[dict[int, tuple[int | None, list[int]]]] = [{}, {}, {}]
+    out = []
+    for _ in range(phases):
+        phase: list[tuple[int, None, list[dict]]] = []
+        for _ in range(rng.randrange(2, 6)):
+            engine = rng.randrange(3)
+            mine = held[engine]
+            roll = rng.random()
+            if roll < 0.45 or not mine:  # a prompt, from the root, in blocks of 4 tokens
+                tokens = list(rng.choice(base)) + [rng.randrange(200, 204)] * 4 * rng.randrange(3)
+                parent: int | None = None
+                hashes = []
+                for i in range(0, len(tokens), 4):
+                    h = hash((parent, tuple(tokens[i : i + 4]))) & (2**63 - 1)
+                    mine[h] = (parent, tokens[i : i + 4])
+                    hashes.append(h)
+                    parent = h
+                phase.append((engine, None, [store(hashes, None, tokens)]))
+            elif roll < 0.7:  # decode: one block under a block the engine holds
+                parent = rng.choice(sorted(mine))
+                tokens = [rng.randrange(300, 302)] * 4
+                h = hash((parent, tuple(tokens))) & (2**63 - 1)
+                mine[h] = (parent, tokens)
+                phase.append((engine, None, [store([h], parent, tokens)]))
+            elif roll < 0.95:  # evictions anywhere, one unknown hash among them sometimes
+                gone = rng.sample(sorted(mine), min(len(mine), rng.randrange(1, 4)))
+                for h in gone:
+                    del mine[h]
+                phase.append((engine, None, [remove(gone + [12345] * (rng.random() < 0.2))]))
+            else:
+                mine.clear()
+                phase.append((engine, None, [{"type": "AllBlocksCleared"}]))
+        out.append(phase)
+    return out
+
+
+def run_against_dynamo(phases, queries) -> None:
+    """Both indexes consume the phases over three engine sockets; after each phase they hold
+    the same chains and answer the queries alike."""
+    from conftest import Engine
+
+    ports = [free_port() for _ in range(3)]
+    labels = [f"{i}=tcp://127.0.0.1:{p}" for i, p in enumerate(ports)]
+    engines = [Engine(f"tcp://127.0.0.1:{p}") for p in ports]
+    dynamo_port = free_port()
+    dynamo = subprocess.Popen(
+        [sys.executable, "-m", "dynamo.indexer", "--block-size", "4", "--port", str(dynamo_port)]
+        + ["--workers", ",".join(labels)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "DYN_LOG": "error"},
+    )
+    kvctl = start_kvctl("index", *labels, "--block-size", "4", "--port", "0", "--json", "-q")
+    ours = json.loads(read_until(kvctl.stdout, '"serving"')[-1])["serving"]
+    theirs = f"http://127.0.0.1:{dynamo_port}"
+    try:
+        for e in engines:
+            e.wait_for(2)
+        for number, phase in enumerate(phases):
+            # one batch at a time: Dynamo applies different workers' events on different
+            # threads, and the tree's shape depends on their order
+            for engine, dp, events in phase:
+                engines[engine].send(events, dp_rank=dp)
+                deadline = time.monotonic() + 20
+                while True:  # both apply asynchronously: until they agree, bounded
+                    try:
+                        mine, dynamos = chains(get(ours + "/dump")), chains(get(theirs + "/dump"))
+                    except (OSError, urllib.error.URLError):
+                        mine, dynamos = set(), {None}
+                    if mine == dynamos or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.05)
+                assert mine == dynamos, (number, events, mine ^ dynamos)
+            for tokens, lora in queries:
+                body = {"token_ids": tokens, "model_name": "default", "lora_name": lora}
+                a, b = get(ours + "/query", body), get(theirs + "/query", body)
+                assert a == b, (number, tokens, a, b)
+    finally:
+        interrupt(kvctl)
+        finish(kvctl)
+        dynamo.terminate()
+        dynamo.wait(10)
+        for e in engines:
+            e.close()
+
+
+def test_random_evictions_anywhere_against_dynamos_indexer():
+    rng = random.Random(SEED)
+    queries: list[tuple[list[int], str | None]] = []
+    for prefix in (T(0, 8), T(0, 4) + T(50, 54), T(100, 104), T(0, 4)):
+        for fill in range(200, 204):
+            queries.append((prefix + [fill] * 8 + [300] * 4, None))
+            queries.append((prefix + [fill] * 4 + [301] * 8, None))
+    run_against_dynamo(random_phases(rng, 25), queries)
