@@ -335,16 +335,25 @@ class StreamState:
 # and kept by tests/test_index_dynamo.py. Where ``check`` (StreamState) decides otherwise, on
 # purpose, for a checker that reports each lost event once:
 #
-# - a removal drops the block and every descendant the worker holds below it (StreamState
-#   drops the listed block only);
+# - the device tier is Dynamo's compressed tree: edges of blocks, each worker covering a whole
+#   edge or its first k blocks. A removal ends the worker's coverage of that edge before the
+#   block (the rest of the edge goes with it); the worker's blocks on edges below stay, out
+#   of reach of queries until the block is stored again (StreamState drops the listed block
+#   only). An edge that no worker covers whole any more loses its children, for every
+#   worker. So what a removal inside a chain drops depends on where earlier stores split the
+#   tree, exactly as in Dynamo (its query walk also compares worker counts before worker
+#   sets at an edge without partial workers: kept here, it is what Dynamo answers);
 # - ``AllBlocksCleared`` clears one (worker_id, dp_rank), every tier (StreamState: every dp
 #   rank of the worker_id);
-# - a store whose parent the worker does not hold is rejected whole on the device tier, as
+# - a store whose parent the worker does not hold (or holds under another engine hash than
+#   the one the tree keeps for those tokens) is rejected whole on the device tier, as
 #   ``StreamState(strict_parents=True)`` does; lower tiers take it;
 # - a store whose ``block_size`` differs from the index's is dropped whole, and one whose
 #   ``token_ids`` run short ends at the first incomplete block;
 # - tiers are separate indexes: ``medium`` GPU (or none) is the device tier, CPU* the host
-#   tier, DISK/STORAGE disk, EXTERNAL external; any other medium is not indexed.
+#   tier, DISK/STORAGE disk, EXTERNAL external; any other medium is not indexed. A query's
+#   match continues on the host, then disk, then external tier from the engine hash where it
+#   ended on the tier before.
 
 DEVICE, HOST, DISK, EXTERNAL = "device", "host_pinned", "disk", "external"
 TIERS = (DEVICE, HOST, DISK, EXTERNAL)
