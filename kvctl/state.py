@@ -31,6 +31,7 @@ streams are written for:
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Hashable, Iterator
 from typing import Any, NamedTuple
@@ -396,13 +397,26 @@ def dynamo_block_hashes(
     token_ids: list[int], block_size: int, lora_name: str | None = None
 ) -> list[int]:
     """Dynamo's ``compute_block_hash_for_seq``: the ``tokens_hash`` of every full block of a
-    prompt (a partial last block is not hashed), LoRA-seeded when ``lora_name`` is set."""
-    from .formats.dynamo import tokens_hash
+    prompt (a partial last block is not hashed), LoRA-seeded when ``lora_name`` is set: the
+    rule of ``formats.dynamo.tokens_hash``, with the tokens packed once for the whole prompt
+    (a 32k-token prompt is hashed in well under a millisecond)."""
+    import xxhash
+
+    from .formats.dynamo import TOKENS_HASH_SEED
 
     full = len(token_ids) - len(token_ids) % block_size
-    return [
-        tokens_hash(token_ids[i : i + block_size], lora_name) for i in range(0, full, block_size)
-    ]
+    if not full:
+        return []
+    seed = TOKENS_HASH_SEED
+    if lora_name:
+        seed = (seed + xxhash.xxh3_64_intdigest(lora_name.encode(), seed=0)) & U64_MASK
+    try:
+        data = memoryview(struct.pack(f"<{full}I", *token_ids[:full]))
+    except struct.error:
+        raise ValueError("token ids must be integers from 0 to 2**32 - 1") from None
+    step = 4 * block_size
+    digest = xxhash.xxh3_64_intdigest
+    return [digest(data[i : i + step], seed) for i in range(0, 4 * full, step)]
 
 
 class _Node:
@@ -625,9 +639,12 @@ class RouterIndex:
         size = self.block_size
         usable = min(count, len(tokens) // size)
         lora = ev.get("lora_name")
-        return dynamo_block_hashes(
-            tokens[: usable * size], size, lora if type(lora) is str else None
-        )
+        try:
+            return dynamo_block_hashes(
+                tokens[: usable * size], size, lora if type(lora) is str else None
+            )
+        except ValueError:  # a token id no u32 holds: Dynamo cannot decode the event either
+            return []
 
     def store(
         self, worker: IndexWorker, parent: Any, blocks: list[tuple[Any, int]], tier: str = DEVICE

@@ -82,11 +82,30 @@ def test_query_hashing_is_dynamos():
     assert dynamo_block_hashes([], 4) == []
 
 
-@given(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.integers(1, 9))
-def test_query_hashing_is_per_full_block(tokens, size):
-    hashes = dynamo_block_hashes(tokens, size)
+@given(
+    st.lists(st.integers(0, 2**32 - 1), max_size=40),
+    st.integers(1, 9),
+    st.none() | st.text(max_size=8),
+)
+def test_query_hashing_is_per_full_block(tokens, size, lora):
+    hashes = dynamo_block_hashes(tokens, size, lora)
     assert len(hashes) == len(tokens) // size
-    assert hashes == [tokens_hash(tokens[i * size : (i + 1) * size]) for i in range(len(hashes))]
+    expected = [tokens_hash(tokens[i * size : (i + 1) * size], lora) for i in range(len(hashes))]
+    assert hashes == expected
+
+
+@given(st.lists(st.integers(), min_size=4, max_size=8))
+def test_token_ids_no_u32_holds_are_refused(tokens):
+    """From a query: ValueError (the server answers 422 before); from an event: not indexed."""
+    hashed = tokens[: len(tokens) - len(tokens) % 4]  # a partial last block is not hashed
+    if all(0 <= t < 2**32 for t in hashed):
+        return
+    with pytest.raises(ValueError):
+        dynamo_block_hashes(tokens, 4)
+    ix = RouterIndex(4)
+    feed(ix, 1, [store([1], None, tokens[:4])])
+    if not all(0 <= t < 2**32 for t in tokens[:4]):
+        assert ix.decisions == {("stored", "device", "invalid_block"): 1}
 
 
 # --- the decisions ----------------------------------------------------------------------------
