@@ -415,3 +415,25 @@ def test_bad_input_is_one_line(recording, tmp_path):
     bad.write_text('{"a": 1}')
     rc, err = kvctl("index", str(bad))
     assert rc == 1 and "snapshot" in err and "Traceback" not in err
+
+
+def test_live_from_dynamo_on_nats(recording, nats_server):
+    """A live source in Dynamo's own format (RouterEvents in msgpack envelopes on NATS, with
+    Dynamo's tokens_hash per block): the index keeps updating while it serves, and ends up
+    as the index of the recording the replay sent."""
+    proc = start_kvctl("index", nats_server.url, "--port", "0", "--json", "--idle-timeout", "3")
+    try:
+        url = json.loads(read_until(proc.stdout, '"serving"')[-1])["serving"]
+        read_until(proc.stderr, "reading")  # subscribed before it says so
+        assert http(url + "/health")[0] == 200  # serving while it reads
+        replay = run_kvctl(
+            "replay", recording, "--to", nats_server.url, "--format", "dynamo", "--topspeed", "-q"
+        )
+        assert replay.returncode == 0, replay.stderr
+        json.loads(read_until(proc.stdout, '"indexed"', timeout=30)[-1])
+        served = json.loads(http(url + "/dump")[2])
+    finally:
+        interrupt(proc)
+        rc, _, err = finish(proc)
+    assert rc == 130 and "Traceback" not in err
+    assert chains(served) == chains(json.loads(json.dumps(index_of(recording).dump())))
