@@ -274,7 +274,7 @@ def test_the_index_answers_as_a_naive_model_of_dynamos_rules(ops):
         expected = {}
         for w in range(3):
             n = 0
-            while n < 4 and tuple(chain[: 4 * (n + 1)]) in held[w]:
+            while n < len(chain) // 4 and tuple(chain[: 4 * (n + 1)]) in held[w]:
                 n += 1
             if n:
                 expected[(w, 0)] = n
@@ -411,6 +411,13 @@ def test_bad_input_is_one_line(recording, tmp_path):
     assert rc == 2 and "--until" in err and len(err.strip().splitlines()) == 1
     rc, err = kvctl("index", "tcp://127.0.0.1:1", "--until", "seq:3")
     assert rc == 2 and "recordings" in err
+    rc, err = kvctl("index", recording, "--until", "nan")
+    assert rc == 2 and "not a time" in err
+    taken = tmp_path / "taken.json"
+    taken.write_text("mine")
+    rc, err = kvctl("index", recording, "-o", str(taken))
+    assert rc == 2 and "--overwrite" in err and taken.read_text() == "mine"
+    assert kvctl("index", recording, "-o", str(taken), "--overwrite")[0] == 0
     bad = tmp_path / "bad.json"
     bad.write_text('{"a": 1}')
     rc, err = kvctl("index", str(bad))

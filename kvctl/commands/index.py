@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -39,9 +40,13 @@ def parse_until(text: str) -> tuple[str, float]:
         except ValueError:
             raise click.BadParameter(f"{text!r}: seq:N needs an integer N") from None
     try:
-        return "time", float(text)
+        seconds = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds):
+            raise click.BadParameter(f"{text!r} is not a time")
+        return "time", seconds
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
@@ -319,6 +324,7 @@ def start_server(served: Served, host: str, port: int) -> ThreadingHTTPServer:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write the index as a /dump JSON snapshot here and exit instead of serving.",
 )
+@click.option("--overwrite", is_flag=True, help="With -o: replace an existing snapshot file.")
 @reporting("No progress or summary on stderr.")
 def command(
     sources: Sources, selection: Filters, limits: Limits, out: Output, **params: Any
@@ -360,6 +366,8 @@ def command(
         kind = _kind(sources.addresses)
     if until is not None and kind != "recording":
         raise UsageError("--until reads recordings (files or segment directories) only")
+    if output is not None and output.exists() and not params["overwrite"]:
+        raise UsageError(f"{output} exists (--overwrite replaces it)")
     served = Served(index, kind)
     server = None
     if output is None:
