@@ -69,7 +69,10 @@ def prompts(recording: str) -> list[tuple[list[int], str | None]]:
     return out
 
 
-def test_kvctl_index_answers_as_dynamos_indexer(tmp_path):
+@pytest.mark.parametrize("feed", ["simulate", "replay"])
+def test_kvctl_index_answers_as_dynamos_indexer(tmp_path, feed):
+    """Fed live by the simulator, or by `kvctl replay` of its recording (one socket per
+    worker, as engines publish)."""
     recording = str(tmp_path / "fleet.parquet")
     common = ["--workers", str(WORKERS), "--requests", str(REQUESTS), "--seed", str(SEED)]
     common += ["--num-blocks", str(NUM_BLOCKS), "--epoch", EPOCH, "--topspeed", "-q"]
@@ -96,8 +99,12 @@ def test_kvctl_index_answers_as_dynamos_indexer(tmp_path):
     ours = json.loads(read_until(kvctl.stdout, '"serving"')[-1])["serving"]
     theirs = f"http://127.0.0.1:{dynamo_port}"
     try:
-        sim = start_kvctl("simulate", *common, "--base-port", str(base), "--wait-subscribers", "2")
-        rc, _, err = finish(sim, timeout=180)
+        if feed == "simulate":
+            args = ["simulate", *common, "--base-port", str(base), "--wait-subscribers", "2"]
+        else:
+            args = ["replay", recording, "--to", f"tcp://127.0.0.1:{base}", "--port-per-worker"]
+            args += ["--wait-subscribers", "2", "--topspeed", "-q"]
+        rc, _, err = finish(start_kvctl(*args), timeout=180)
         assert rc == 0, err
         # both apply events asynchronously: wait until they hold the same thing, then
         # compare; a bounded wait (the stream is over, only queues drain)
