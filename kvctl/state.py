@@ -524,8 +524,9 @@ class RouterIndex:
         self.routing_group = routing_group
         self.root = _Node([], None)
         self.live_blocks = 0
-        """Blocks on linked edges, and blocks no worker holds any more (for the sweep)."""
+        """Blocks on linked edges (about: the sweep recounts them)."""
         self.dead_blocks = 0
+        """Blocks on edges no worker holds any more, since the last sweep."""
         self.lookup: dict[IndexWorker, dict[Any, _Node]] = {}
         self.lower: dict[str, dict[IndexWorker, _LowerTier]] = {t: {} for t in LOWER_TIERS}
         self.decisions: dict[tuple[str, str, str], int] = {}
@@ -598,8 +599,8 @@ class RouterIndex:
             return UNKNOWN_TYPE
         name = "stored" if etype == BLOCK_STORED else "removed"
         tier = ev.get("storage_tier") or tier_of_medium(ev.get("medium"))
-        if tier not in TIERS:
-            self._count(name, str(tier), UNKNOWN_TIER)
+        if tier not in TIERS:  # counted under the medium that was sent
+            self._count(name, str(ev.get("medium"))[:40], UNKNOWN_TIER)
             return UNKNOWN_TIER
         if ev.get("residency_domain") not in (None, "worker"):
             self._count(name, tier, UNSUPPORTED_DOMAIN)
