@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "cat": "Print the events of recordings (files, segment directories or journals) in recorded "
     "order, with tap's formatter, filters and stop conditions.",
     "check": "Check KV-event streams for what breaks KV-aware routing.",
+    "index": "Build the prefix index a Dynamo KV router would hold and serve it over HTTP.",
     "inspect": "Show a recording's schema version, time range, seq range per publisher, counts "
     "by type and worker, gaps, malformed messages, size and compression ratio.",
     "record": "Record KV-event streams to Parquet, one row per event, raw bytes kept.",
