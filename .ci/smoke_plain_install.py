@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -131,6 +132,8 @@ class Smoke:
             "check",
             "stats",
             "top",
+            "index",
+            "query",
         )
         out, _ = run("--help")
         missing = [c for c in commands if c not in out.decode()]
@@ -220,6 +223,38 @@ class Smoke:
         if not snapshots:
             raise StepFailed("no snapshot printed")
         return f"{len(snapshots)} snapshots"
+
+    def index_and_query(self) -> str:
+        """A snapshot of the recording's index, served, asked by `query` over HTTP and
+        directly: the same workers hold the prompt both ways."""
+        snapshot = str(self.dir / "index.json")
+        run("index", self.rec, "-o", snapshot)
+        first = json_lines(run("cat", self.rec, "--json", "-c", "1", "--type", "BlockStored")[0])
+        prompt = ",".join(map(str, first[0]["token_ids"][:64]))
+        direct = json.loads(run("query", self.rec, "--tokens", prompt, "--json")[0])
+        server = start("index", snapshot, "--port", "0", "--json")
+        try:
+            assert server.stdout is not None
+            serving = json.loads(server.stdout.readline())["serving"]
+            with urllib.request.urlopen(serving + "/health", timeout=STEP_TIMEOUT) as answer:
+                if answer.status != 200:
+                    raise StepFailed(f"/health answered {answer.status}")
+            asked = json.loads(run("query", "--index", serving, "--tokens", prompt, "--json")[0])
+            server.send_signal(signal.SIGINT)
+            finish(server, "index (serving)", expect_rc=130)
+        finally:
+            stop(server)
+
+        def holders(answer: dict) -> dict:
+            return {
+                (w["worker_id"], w["dp_rank"]): w["matched_blocks"]
+                for w in answer["workers"]
+                if w["matched_blocks"]
+            }
+
+        if holders(direct) != holders(asked):
+            raise StepFailed(f"direct {holders(direct)} != served {holders(asked)}")
+        return f"served {serving}; prompt held by {sorted(map(str, holders(direct)))}"
 
     # --- live streams on loopback ---
 
@@ -380,6 +415,7 @@ def main() -> int:
         smoke.step("stats --plot", smoke.stats_plot_without_extra)
         smoke.step("check", smoke.check)
         smoke.step("top --json", smoke.top)
+        smoke.step("index -o, index (serving), query", smoke.index_and_query)
         smoke.step("record, kill -9, recover", smoke.record_kill_9_recover)
         smoke.step("replay into tap", smoke.replay_into_tap)
         smoke.step("bridge", smoke.bridge)

@@ -34,6 +34,8 @@ COMMANDS: dict[str, str] = {
     "index": "Build the prefix index a Dynamo KV router would hold and serve it over HTTP.",
     "inspect": "Show a recording's schema version, time range, seq range per publisher, counts "
     "by type and worker, gaps, malformed messages, size and compression ratio.",
+    "query": "Ask a prefix index which workers hold a prompt, and explain where each routing "
+    "policy would send it.",
     "record": "Record KV-event streams to Parquet, one row per event, raw bytes kept.",
     "recover": "Convert the journal of a recorder that was killed (kill -9, power loss) to "
     "Parquet.",

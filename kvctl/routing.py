@@ -49,6 +49,14 @@ def worker_label(key: WorkerKey) -> str:
     return f"{key[0]}:{key[1]}"
 
 
+def worker_order(key: WorkerKey) -> tuple[bool, int, str, int]:
+    """Workers in order: numeric ids by number, then named ones (a recording's labels) by
+    name."""
+    wid = key[0]
+    numeric = type(wid) is int
+    return (not numeric, wid if numeric else 0, "" if numeric else str(wid), key[1])
+
+
 @dataclass(frozen=True)
 class Overlap:
     """What an index holds of a prompt for one worker and dp rank: the matched prefix, in
@@ -416,7 +424,7 @@ def explain(
     by_key = {o.key: o for o in overlaps}
     for key in [*workers, *loads]:
         by_key.setdefault(key, Overlap(key[0], key[1]))
-    candidates = [by_key[key] for key in sorted(by_key)]
+    candidates = [by_key[key] for key in sorted(by_key, key=worker_order)]
     decisions = []
     if candidates:
         for policy in policies:

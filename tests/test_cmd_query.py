@@ -8,22 +8,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import free_port
+from conftest import finish, free_port, interrupt, read_until, run_kvctl, start_kvctl
 from hypothesis import given
 from hypothesis import strategies as st
 from inprocess import run_main
 
-import kvctl.cli
 from kvctl.commands.query import overlaps_from_dynamo, parse_token_ids, tokenize
 from kvctl.errors import ExitCode, UsageError
+from kvctl.recording.source import RecordingSource
+from kvctl.state import RouterIndex
 from kvctl.routing import Overlap
-
-
-@pytest.fixture(autouse=True)
-def query_is_a_command(monkeypatch):
-    """`kvctl query` as the console script runs it, whether or not cli.py lists it yet."""
-    summary = kvctl.cli.COMMANDS.get("query", "Ask a prefix index.")
-    monkeypatch.setitem(kvctl.cli.COMMANDS, "query", summary)
 
 
 def query(*args: str):
@@ -211,3 +205,80 @@ def test_text_without_the_extra_says_how_to_get_it(tmp_path):
     path.write_text("{}")
     args = ("--index", "http://127.0.0.1:1", "--text", "hi", "--tokenizer", str(path))
     one_line_error(query(*args), ExitCode.ERROR, "kvctl[tokenizer]")
+
+
+# --- asking SOURCEs directly --------------------------------------------------------------------
+
+
+def matched(answer: dict) -> dict:
+    """What a user compares between two answers: who holds how much of the prompt, by tier,
+    and each policy's decision."""
+    holders = {
+        (w["worker_id"], w["dp_rank"]): w["blocks_by_tier"]
+        for w in answer["workers"]
+        if w["matched_blocks"]
+    }
+    chosen = {policy["policy"]: policy["chosen"] for policy in answer["policies"]}
+    return {"holders": holders, "chosen": chosen}
+
+
+def test_a_recording_is_answered_as_kvctl_index_serving_it_answers(tmp_path):
+    rec = str(tmp_path / "sim.parquet")
+    done = run_kvctl(
+        "simulate", "--workers", "3", "--requests", "40", "--num-blocks", "150", "--seed", "5",
+        "--epoch", "1700000000", "-o", rec, "-q",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    first = next(
+        b for b in RecordingSource([rec]).batches() if b.events[0]["type"] == "BlockStored"
+    )
+    stored = first.events[0]
+    blocks = min(len(stored["block_hashes"]), 12)
+    prompt = ",".join(map(str, stored["token_ids"][: 16 * blocks] + [7, 7, 7]))
+    until = f"seq:{first.seq}"
+
+    direct = query(rec, "--until", until, "--tokens", prompt, "--json")
+    assert direct.code == 0, direct.err
+    answer = json.loads(direct.out)
+    assert answer["sources"] == [rec]
+    holders = matched(answer)["holders"]
+    assert holders[(first.worker_id, first.dp_rank or 0)]["gpu"] == blocks
+
+    snapshot = str(tmp_path / "then.json")
+    assert run_kvctl("index", rec, "--until", until, "-o", snapshot).returncode == 0
+    from_snapshot = query(snapshot, "--tokens", prompt, "--json")
+    assert from_snapshot.code == 0, from_snapshot.err
+    assert matched(json.loads(from_snapshot.out)) == matched(answer)
+
+    server = start_kvctl("index", snapshot, "--port", "0", "--json")
+    try:
+        url = json.loads(read_until(server.stdout, '"serving"')[-1])["serving"]
+        served = query("--index", url, "--tokens", prompt, "--json")
+    finally:
+        interrupt(server)
+        finish(server)
+    assert served.code == 0, served.err
+    assert matched(json.loads(served.out)) == matched(answer)
+
+    # the whole recording: what the index model holds at its end
+    whole = RouterIndex(16)
+    for batch in RecordingSource([rec]).batches():
+        whole.apply(batch)
+    found = whole.query([int(t) for t in prompt.split(",")])
+    later = query(rec, "--tokens", prompt, "--json")
+    assert later.code == 0, later.err
+    assert {k: v["gpu"] for k, v in matched(json.loads(later.out))["holders"].items()} == {
+        k: n for k, n in found.device.items() if n
+    }
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        ((), ["--index URL", "SOURCEs"]),
+        (("tcp://127.0.0.1:1",), ["-c", "--duration", "--idle-timeout"]),
+        (("--index", "http://127.0.0.1:1", "--until", "seq:3"), ["--until", "recordings"]),
+    ],
+)
+def test_where_to_ask_is_checked_before_asking(args, words):
+    one_line_error(query(*args, "--tokens", "1,2"), ExitCode.USAGE, *words)

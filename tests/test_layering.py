@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "state",
             "checks",
             "stats",
+            "routing",
         ),
     ),
     ("transports", ("transports",)),
@@ -39,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("pipeline", "pacing")),
     (
         "sinks and options",
-        ("targets", "publishing", "output", "options", "session", "help", "plots"),
+        ("targets", "publishing", "output", "options", "session", "help", "plots", "indexing"),
     ),
     ("commands", ("commands", "cli", "__main__")),
 ]

@@ -4,13 +4,23 @@ policy would send it (Dynamo 1.6's cost, longest prefix, llm-d's tier-weighted s
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..errors import KvctlError, TransportError, UsageError
 from ..help import KvctlCommand
-from ..options import reporting
+from ..indexing import (
+    DEFAULT_BLOCK_SIZE,
+    is_snapshot,
+    load_snapshot,
+    parse_until,
+    source_kind,
+    until_keeps,
+)
+from ..options import limit_options, reporting
+from ..redact import redact_url
 from ..routing import (
     POLICIES,
     ZERO_LOAD,
@@ -22,13 +32,18 @@ from ..routing import (
     WorkerKey,
     request_blocks,
     worker_label,
+    worker_order,
 )
 from ..routing import explain as explain_prompt
+from ..state import DISK, EXTERNAL, HOST, RouterIndex
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from ..events import Batch
     from ..output import Output
+    from ..selection import Limits
+    from ..state import Overlap as IndexOverlap
 
 _DYNAMO = DynamoKnobs()
 _LLMD = LlmdKnobs()
@@ -49,13 +64,21 @@ def _knob(flag: str, default: float, help_text: str) -> Any:
 
 
 @click.command("query", cls=KvctlCommand)
+@click.argument("sources", nargs=-1, metavar="[SOURCE]...")
 @click.option(
     "--index",
-    required=True,
     metavar="URL",
     help="A running prefix index: Dynamo's standalone indexer (python -m dynamo.indexer) or "
-    "kvctl index, e.g. http://127.0.0.1:8090.",
+    "kvctl index, e.g. http://127.0.0.1:8090. Instead of SOURCEs.",
 )
+@click.option(
+    "--until",
+    metavar="TIME|seq:N",
+    callback=lambda ctx, param, value: parse_until(value) if value else None,
+    help="Recordings: ask the index as it stood then: batches received at or before TIME "
+    "(ISO-8601 or unix seconds), or numbered at most N by their own publisher.",
+)
+@limit_options
 @click.option("--tokens", metavar="IDS", help="The prompt's token ids: 1,2,3 (or 1 2 3).")
 @click.option(
     "--tokens-file",
@@ -89,7 +112,8 @@ def _knob(flag: str, default: float, help_text: str) -> Any:
     "--block-size",
     type=click.IntRange(min=1),
     metavar="TOKENS",
-    help="Tokens per block. Default: the index's, from its /workers.",
+    help="Tokens per block. Default: the index's, from its /workers (16 for an index built "
+    "from SOURCEs, as kvctl index).",
 )
 @click.option(
     "--policy",
@@ -183,7 +207,10 @@ def _knob(flag: str, default: float, help_text: str) -> Any:
 )
 @reporting("No notes on stderr (errors are still shown).")
 def command(
-    index: str,
+    sources: tuple[str, ...],
+    index: str | None,
+    until: tuple[str, float] | None,
+    limits: Limits,
     tokens: str | None,
     tokens_file: Any,
     text: str | None,
@@ -215,7 +242,10 @@ def command(
     """Ask a prefix index which workers hold a prompt, and explain where each routing policy
     would send it.
 
-    The index (Dynamo's standalone indexer, or kvctl index) answers with each worker's matched
+    The index is a running one (--index URL: Dynamo's standalone indexer, or kvctl index), or
+    built here from SOURCEs as kvctl index builds it: recordings (to the end, or --until), a
+    /dump snapshot (.json), or live streams read until -c, --duration or --idle-timeout. It
+    answers with each worker's matched
     prefix by tier (GPU, CPU, disk); kvctl scores every worker and dp rank under Dynamo 1.6's
     cost (prefill minus cache credit, plus decode load), pure longest prefix, and llm-d's
     tier-weighted prefix score, and prints the decision of each. A tie is shown as a tie (Dynamo
@@ -226,6 +256,7 @@ def command(
     \b
     Example:
       kvctl query --index http://127.0.0.1:8090 --tokens 1,2,3,4,5,6,7,8
+      kvctl query run.parquet --until 2026-12-01T10:15:00Z --tokens-file prompt.json
       kvctl query --index http://127.0.0.1:8090 --text "You are a helpful assistant." \\
           --tokenizer tokenizer.json --explain
       kvctl query --index http://127.0.0.1:8090 --tokens-file prompt.json \\
@@ -233,23 +264,21 @@ def command(
     """
     token_ids = _prompt(tokens, tokens_file, text, tokenizer, not no_special_tokens)
     loads = _loads(load, prefill_tokens, decode_blocks, active_requests)
-    base = _base_url(index)
     notes: list[str] = []
-    known, index_block_size = _workers(base, model_name, timeout)
-    # asked first: an index that knows no such model says so in its own words
-    answer = _query(base, token_ids, model_name, lora_name, timeout)
-    if block_size is None:
-        if index_block_size is None:
-            raise UsageError(
-                f"{base} does not say its block size for {model_name!r}: give --block-size"
-            )
-        block_size = index_block_size
-    elif index_block_size is not None and index_block_size != block_size:
-        notes.append(
-            f"--block-size {block_size} differs from the index's {index_block_size} for "
-            f"{model_name!r}: matched lengths are the index's, counted in blocks of {block_size}"
+    if (index is None) == (not sources):
+        raise UsageError("ask a running index (--index URL) or SOURCEs: one of the two")
+    if index is None:
+        local = _local_index(sources, until, limits, block_size, model_name, out)
+        block_size, known = local.block_size, local.workers
+        overlaps = overlaps_from_index(local.query(token_ids, lora_name))
+        where: dict[str, Any] = {"sources": [redact_url(a) for a in sources]}
+    else:
+        if until is not None:
+            raise UsageError("--until builds an index from recordings: give them as SOURCEs")
+        overlaps, block_size, known, base = _ask(
+            index, token_ids, model_name, lora_name, block_size, timeout, notes
         )
-    overlaps = overlaps_from_dynamo(answer, block_size, notes)
+        where = {"index": base}
     explanation = explain_prompt(
         overlaps,
         len(token_ids),
@@ -269,8 +298,88 @@ def command(
         LlmdKnobs(llmd_gpu_weight, llmd_cpu_weight, llmd_storage_weight),
         known,
     )
-    context = {"index": base, "model_name": model_name, "lora_name": lora_name}
+    context = {**where, "model_name": model_name, "lora_name": lora_name}
     show(explanation, context, notes, out, explain)
+
+
+def _ask(
+    index: str,
+    token_ids: list[int],
+    model_name: str,
+    lora_name: str | None,
+    block_size: int | None,
+    timeout: float,
+    notes: list[str],
+) -> tuple[list[Overlap], int, list[WorkerKey], str]:
+    """A running index's answer: the overlaps, block size, known workers and its base URL."""
+    base = _base_url(index)
+    known, index_block_size = _workers(base, model_name, timeout)
+    # asked first: an index that knows no such model says so in its own words
+    answer = _query(base, token_ids, model_name, lora_name, timeout)
+    if block_size is None:
+        if index_block_size is None:
+            raise UsageError(
+                f"{base} does not say its block size for {model_name!r}: give --block-size"
+            )
+        block_size = index_block_size
+    elif index_block_size is not None and index_block_size != block_size:
+        notes.append(
+            f"--block-size {block_size} differs from the index's {index_block_size} for "
+            f"{model_name!r}: matched lengths are the index's, counted in blocks of {block_size}"
+        )
+    return overlaps_from_dynamo(answer, block_size, notes), block_size, known, base
+
+
+def _local_index(
+    addresses: tuple[str, ...],
+    until: tuple[str, float] | None,
+    limits: Limits,
+    block_size: int | None,
+    model_name: str,
+    out: Output,
+) -> RouterIndex:
+    """The index ``kvctl index`` would serve for these SOURCEs, built here."""
+    from ..options import Sources
+    from ..pipeline import Summary
+    from ..selection import Filters
+    from ..session import read
+
+    if is_snapshot(addresses):
+        snapshot = load_snapshot(Path(addresses[0]))
+        if block_size is not None and block_size != snapshot.block_size:
+            raise UsageError(f"{addresses[0]} holds blocks of {snapshot.block_size} tokens")
+        return snapshot
+    kind = source_kind(addresses)
+    if until is not None and kind != "recording":
+        raise UsageError("--until reads recordings (files or segment directories) only")
+    stops = (limits.count, limits.duration, limits.idle_timeout)
+    if kind != "recording" and all(stop is None for stop in stops):
+        raise UsageError("live SOURCEs are read until -c, --duration or --idle-timeout")
+    index = RouterIndex(block_size or DEFAULT_BLOCK_SIZE, model_name)
+
+    def consume(batch: Batch) -> None:
+        if until_keeps(until, batch):
+            index.apply(batch)
+
+    read(Sources(addresses), Filters(), limits, out, Summary(), consume)
+    return index
+
+
+def overlaps_from_index(found: IndexOverlap) -> list[Overlap]:
+    """Overlaps from kvctl's own index: every tier per worker and dp rank, exactly."""
+    host = found.lower.get(HOST, {})
+    disk, external = found.lower.get(DISK, {}), found.lower.get(EXTERNAL, {})
+    everyone = set(found.device) | set(host) | set(disk) | set(external)
+    return [
+        Overlap(
+            wid,
+            dp,
+            found.device.get((wid, dp), 0),
+            host.get((wid, dp), 0),
+            disk.get((wid, dp), 0) + external.get((wid, dp), 0),
+        )
+        for wid, dp in sorted(everyone, key=worker_order)
+    ]
 
 
 # -- input --------------------------------------------------------------------------------------
@@ -585,7 +694,7 @@ def _print(
     bs = explanation.block_size
     lora = f", LoRA {context['lora_name']}" if context.get("lora_name") else ""
     console.print(
-        f"[bold]kvctl query[/] {escape(str(context.get('index', '')))}: "
+        f"[bold]kvctl query[/] {escape(context.get('index') or ', '.join(context['sources']))}: "
         f"{plural(explanation.prompt_tokens, 'token')}, "
         f"{plural(request_blocks(explanation.prompt_tokens, bs), 'block')} of {bs} "
         f"(model {escape(str(context.get('model_name')))}{escape(lora)})"

@@ -1,0 +1,297 @@
+"""The router's index as kvctl builds and serves it: ``--until`` (which batches an index as it
+stood at a moment is built from), ``/dump`` snapshots, building a :class:`RouterIndex` from
+SOURCEs, and the HTTP server with Dynamo 1.6's standalone-indexer endpoints. Shared by
+``kvctl index`` (which serves it) and ``kvctl query`` (which asks it directly)."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from .errors import KvctlError
+from .state import RouterIndex
+
+if TYPE_CHECKING:
+    from .events import Batch
+
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per block of an index built from SOURCEs (vLLM's default block size)."""
+U32_LIMIT = 1 << 32
+QUERY_BODY_LIMIT = 8 * 1024 * 1024
+"""Dynamo's ``/query`` body limit (a million tokens as JSON text)."""
+
+
+# --- --until ----------------------------------------------------------------------------------
+
+
+def parse_until(text: str) -> tuple[str, float]:
+    """``seq:N`` -> ("seq", N); ISO-8601 or unix seconds -> ("time", unix seconds)."""
+    if text.startswith("seq:"):
+        try:
+            return "seq", int(text[4:])
+        except ValueError:
+            raise click.BadParameter(f"{text!r}: seq:N needs an integer N") from None
+    try:
+        seconds = float(text)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(seconds):
+            raise click.BadParameter(f"{text!r} is not a time")
+        return "time", seconds
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is neither seq:N, unix seconds nor an ISO-8601 time"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.astimezone()  # a time without a zone is local time, as people mean it
+    return "time", moment.timestamp()
+
+
+def until_keeps(until: tuple[str, float] | None, batch: Batch) -> bool:
+    """The batches an index ``--until`` is built from: received at or before the time, or
+    numbered at most N by their own publisher (a batch without a seq cannot be placed, and is
+    kept)."""
+    if until is None:
+        return True
+    kind, limit = until
+    if kind == "seq":
+        return batch.seq is None or batch.seq <= limit
+    return batch.recv_ns / 1e9 <= limit if batch.recv_ns else True
+
+
+# --- snapshots --------------------------------------------------------------------------------
+
+
+def load_snapshot(path: Path) -> RouterIndex:
+    """An index rebuilt from a ``/dump`` file (kvctl's ``-o`` or Dynamo's own)."""
+    try:
+        index = RouterIndex.from_dump(json.loads(path.read_text()))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # a DecodeError is a ValueError
+        raise KvctlError(f"{path}: not a /dump snapshot: {exc}") from None
+    index.sources = dict.fromkeys(index.sources, str(path))
+    return index
+
+
+def is_snapshot(addresses: tuple[str, ...]) -> bool:
+    return len(addresses) == 1 and addresses[0].endswith(".json") and Path(addresses[0]).is_file()
+
+
+def write_snapshot(path: Path, index: RouterIndex) -> None:
+    """Through a temporary file and a rename: a reader never sees half a snapshot."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(index.dump(), separators=(",", ":")))
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise KvctlError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+# --- the HTTP server --------------------------------------------------------------------------
+
+
+class Served:
+    """The index and the lock that keeps readers from seeing half a batch: the pipeline
+    applies a batch under it, a request answers under it."""
+
+    def __init__(self, index: RouterIndex, source_kind: str) -> None:
+        self.index = index
+        self.lock = threading.Lock()
+        self.source_kind = source_kind
+
+    def apply(self, batch: Batch) -> None:
+        with self.lock:
+            self.index.apply(batch)
+
+    def workers(self) -> list[dict[str, Any]]:
+        """``/workers`` as Dynamo lists its registered instances."""
+        ix = self.index
+        by_id: dict[Any, dict[str, Any]] = {}
+        for wid, dp in ix.workers:
+            address = ix.sources.get((wid, dp), "")
+            entry = by_id.setdefault(
+                wid,
+                {
+                    "instance_id": wid,
+                    "source": self.source_kind,
+                    "status": "active",
+                    "model_name": ix.model_name,
+                    "routing_group": ix.routing_group,
+                    "block_size": ix.block_size,
+                    "endpoints": {},
+                    "listeners": {},
+                },
+            )
+            entry["endpoints"][str(dp)] = address
+            entry["listeners"][str(dp)] = {"endpoint": address, "status": "active"}
+        return list(by_id.values())
+
+    def metrics(self) -> str:
+        """Prometheus text: events by decision, blocks per worker and tier, and Dynamo's own
+        applied-events counter (device tier, where Dynamo counts an unknown removal as ok)."""
+        ix = self.index
+        lines = [
+            "# HELP kvctl_index_events_applied_total KV events applied to the index, by decision",
+            "# TYPE kvctl_index_events_applied_total counter",
+        ]
+        dynamo: dict[tuple[str, str], int] = {}
+        for (etype, tier, status), n in sorted(ix.decisions.items()):
+            lines.append(
+                "kvctl_index_events_applied_total"
+                f"{_labels(event_type=etype, storage_tier=tier, status=status)} {n}"
+            )
+            if tier == "device":
+                key = (etype, "ok" if status == "block_not_found" else status)
+                dynamo[key] = dynamo.get(key, 0) + n
+        lines += [
+            "# HELP kvctl_index_duplicate_stores_total Stores of a block the worker already held",
+            "# TYPE kvctl_index_duplicate_stores_total counter",
+            f"kvctl_index_duplicate_stores_total {ix.duplicate_stores}",
+            "# HELP kvctl_index_blocks Blocks each worker holds in the index",
+            "# TYPE kvctl_index_blocks gauge",
+        ]
+        for ((wid, dp), tier), n in sorted(ix.blocks_per_worker().items(), key=str):
+            labels = _labels(worker_id=wid, dp_rank=dp, storage_tier=tier)
+            lines.append(f"kvctl_index_blocks{labels} {n}")
+        lines += [
+            "# HELP dynamo_kvrouter_kv_cache_events_applied Total number of KV cache events "
+            "applied to index",
+            "# TYPE dynamo_kvrouter_kv_cache_events_applied counter",
+        ]
+        for (etype, status), n in sorted(dynamo.items()):
+            labels = _labels(event_type=etype, status=status)
+            lines.append(f"dynamo_kvrouter_kv_cache_events_applied{labels} {n}")
+        return "\n".join(lines) + "\n"
+
+
+def _labels(**labels: Any) -> str:
+    def escape(value: Any) -> str:
+        return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _query_request(body: bytes) -> tuple[int, str, Any]:
+    """Validate a ``/query`` body as Dynamo does: (status, content type, parsed or message)."""
+    try:
+        req = json.loads(body)
+    except ValueError as exc:
+        return 400, "text/plain", f"Failed to parse the request body as JSON: {exc}"
+    bad = "Failed to deserialize the JSON body into the target type: "
+    if not isinstance(req, dict):
+        return 422, "text/plain", bad + "expected a map"
+    for field in ("token_ids", "model_name"):
+        if field not in req:
+            return 422, "text/plain", bad + f"missing field `{field}`"
+    tokens = req["token_ids"]
+    if not isinstance(tokens, list) or not all(
+        type(t) is int and 0 <= t < U32_LIMIT for t in tokens
+    ):
+        return 422, "text/plain", bad + "token_ids: expected a sequence of u32"
+    for field in ("model_name", "routing_group", "lora_name"):
+        value = req.get(field)
+        if value is not None and not isinstance(value, str):
+            return 422, "text/plain", bad + f"{field}: expected a string"
+    if req.get("routing_group") is None:
+        req["routing_group"] = "default"
+    return 200, "application/json", req
+
+
+def make_handler(served: Served) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "kvctl-index"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # stderr is for kvctl's own lines; an access log is not asked for
+
+        def reply(self, status: int, body: bytes = b"", ctype: str | None = None) -> None:
+            self.send_response(status)
+            if ctype:
+                self.send_header("content-type", ctype)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def reply_json(self, status: int, obj: Any) -> None:
+            self.reply(status, json.dumps(obj, separators=(",", ":")).encode(), "application/json")
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/health":
+                self.reply(200)
+            elif path == "/workers":
+                with served.lock:
+                    workers = served.workers()
+                self.reply_json(200, workers)
+            elif path == "/dump":
+                with served.lock:
+                    dump = served.index.dump()
+                self.reply_json(200, dump)
+            elif path == "/metrics":
+                with served.lock:
+                    text = served.metrics()
+                self.reply(200, text.encode(), "text/plain; version=0.0.4")
+            elif path == "/query":
+                self.reply(405)
+            else:
+                self.reply(404)
+
+        def do_POST(self) -> None:
+            if self.path.split("?", 1)[0] != "/query":
+                self.reply(405 if self.path in ("/health", "/workers", "/dump") else 404)
+                return
+            length = int(self.headers.get("content-length") or 0)
+            if length > QUERY_BODY_LIMIT:
+                self.reply(413, b"length limit exceeded", "text/plain; charset=utf-8")
+                return
+            body = self.rfile.read(length)
+            if "application/json" not in (self.headers.get("content-type") or ""):
+                message = b"Expected request with `Content-Type: application/json`"
+                self.reply(415, message, "text/plain; charset=utf-8")
+                return
+            status, ctype, req = _query_request(body)
+            if status != 200:
+                self.reply(status, req.encode(), ctype + "; charset=utf-8")
+                return
+            ix = served.index
+            if (req["model_name"], req["routing_group"]) != (ix.model_name, ix.routing_group):
+                error = (
+                    f"no indexer for model={req['model_name']} routing_group={req['routing_group']}"
+                )
+                self.reply_json(404, {"error": error})
+                return
+            with served.lock:
+                answer = ix.response(ix.query(req["token_ids"], req.get("lora_name")))
+            self.reply_json(200, answer)
+
+    return Handler
+
+
+def start_server(served: Served, host: str, port: int) -> ThreadingHTTPServer:
+    try:
+        server = ThreadingHTTPServer((host, port), make_handler(served))
+    except OSError as exc:
+        raise KvctlError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="kvctl-index-http", daemon=True).start()
+    return server
+
+
+def source_kind(addresses: tuple[str, ...]) -> str:
+    """What ``/workers`` calls the sources (Dynamo's indexer: ``zmq``)."""
+    schemes = {a.rpartition("=")[2].partition("://")[0] for a in addresses}
+    if schemes <= {"tcp", "ipc"}:
+        return "zmq"
+    if schemes == {"nats"}:
+        return "nats"
+    return "recording" if all(Path(a).exists() for a in addresses) else "stream"
