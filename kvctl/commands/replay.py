@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -202,7 +203,7 @@ def command(
             return
         per_worker = to.per_worker
         for cache in caches or ():
-            for chunk in cache.chunks(per_worker):
+            for chunk in cache.chunks(per_worker, rows=4096 if topspeed else 256):
                 yield from chunk
 
     source = PacedSource(
@@ -224,7 +225,13 @@ def command(
                 target.open_for(b for b in recording.batches() if b is not None and b.error is None)
         wait_subscribers(target, to.wait_subscribers, out)
         if caches is not None:
-            sender.send_prepared(source.rows(prepared_rows))
+            # A full collection walks every object the imports made (ms: late sends); frozen,
+            # the collector looks only at what the send loop makes, which dies young.
+            gc.freeze()
+            try:
+                sender.send_prepared(source.rows(prepared_rows))
+            finally:
+                gc.unfreeze()
         else:
             # raw sends every message, one without events too
             sending = Sending(sender, send_empty=to.encoding == "raw")
