@@ -39,7 +39,8 @@ def drain(endpoint: str, expected: int, ready) -> None:
     sock.close(0)
 
 
-def bare(frames: list[list[bytes]]) -> float:
+def bare(frames: list[list[bytes]]) -> tuple[float, float]:
+    """Batches per second, and CPU seconds per batch."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     sock = zmq.Context.instance().socket(zmq.XPUB)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -49,13 +50,15 @@ def bare(frames: list[list[bytes]]) -> float:
     proc.start()
     sock.recv()  # the drain subscribed
     send = sock.send_multipart
+    cpu = time.process_time()
     start = time.perf_counter()
     for f in frames:
         send(f, copy=False)
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     proc.join(60)
     sock.close(0)
-    return len(frames) / elapsed
+    return len(frames) / elapsed, cpu / len(frames)
 
 
 def kvctl(path: Path, batches: int, *args: str) -> dict:
@@ -125,26 +128,33 @@ def main() -> None:
         write_recording(path, frames)
         prepared_s = prepare(path)
         rates: dict[str, list[float]] = {"bare": [], "prepared": [], "decoding": []}
+        cpu: dict[str, list[float]] = {name: [] for name in rates}
         for _ in range(args.rounds):
-            rates["bare"].append(bare(frames))
-            report = kvctl(path, args.batches, "--topspeed")
-            rates["prepared"].append(report["batches_per_s"])
-            report = kvctl(path, args.batches, "--topspeed", "--no-cache")
-            rates["decoding"].append(report["batches_per_s"])
+            rate, per_batch = bare(frames)
+            rates["bare"].append(rate)
+            cpu["bare"].append(per_batch)
+            for name, extra in (("prepared", ()), ("decoding", ("--no-cache",))):
+                report = kvctl(path, args.batches, "--topspeed", *extra)
+                rates[name].append(report["batches_per_s"])
+                cpu[name].append(report["cpu_s"] / report["batches"])
         b = statistics.median(rates["bare"])
         print(f"{args.batches} batches, {args.rounds} rounds, medians")
         print(
             f"kvctl replay --prepare                : {prepared_s:9.2f} s "
             f"({args.batches / prepared_s:,.0f} batches/s; once per recording and format)"
         )
-        print(f"bare send_multipart loop              : {b:12,.0f} batches/s")
+        print(
+            f"bare send_multipart loop              : {b:12,.0f} batches/s   "
+            f"CPU {statistics.median(cpu['bare']) * 1e6:5.1f} µs/batch"
+        )
         for name, label in (
             ("prepared", "kvctl replay --topspeed (prepared)   "),
             ("decoding", "kvctl replay --topspeed --no-cache   "),
         ):
             k = statistics.median(rates[name])
             print(
-                f"{label} : {k:12,.0f} batches/s   ratio {k / b:.2f} "
+                f"{label} : {k:12,.0f} batches/s   "
+                f"CPU {statistics.median(cpu[name]) * 1e6:5.1f} µs/batch   ratio {k / b:.2f} "
                 f"(rounds: {ratios(rates[name], rates['bare'])})"
             )
 

@@ -131,8 +131,9 @@ def command(
     recording in a format prepares the frames it sends (and their timing) into a frames cache,
     which later replays memory-map. The cache is a hidden file beside the recording
     (.NAME.<variant>.kvctl-frames), or in --cache-dir / KVCTL_CACHE_DIR, or, when the
-    recording's directory is not writable, in the per-user cache directory
-    ($XDG_CACHE_HOME/kvctl/frames, else ~/.cache/kvctl/frames). It is rebuilt whenever the
+    recording's directory is not writable (or is a segment directory and one segment is
+    replayed), in the per-user cache directory ($XDG_CACHE_HOME/kvctl/frames, else
+    ~/.cache/kvctl/frames). It is rebuilt whenever the
     recording (its files' sizes and times), the format options or kvctl change, and whenever
     it is damaged; delete it at any time. --prepare builds it ahead. Filters, -c, the salted
     loops of --unique-hashes and NATS targets encode while sending, as does --no-cache.

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import __version__
+from .layout import SEGMENT_RE
 
 CACHE_VERSION = 1
 METADATA_KEY = b"kvctl-frames"
@@ -57,7 +58,7 @@ class CacheUnusable(Exception):
 def recording_key(path: Path) -> list[list[Any]]:
     """What identifies the content of a recording: name, size and mtime of its file, or of
     every file of its directory (segments, journals, manifest)."""
-    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    files = sorted(f for f in path.iterdir() if SUFFIX not in f.name) if path.is_dir() else [path]
     key = []
     for f in files:
         st = f.stat()
@@ -84,11 +85,14 @@ def cache_path(recording: Path, variant: dict[str, Any], cache_dir: Path | None)
     """Where the cache of ``recording`` for ``variant`` lives: in ``cache_dir`` if given,
     else beside the recording (a hidden file), else, when that directory is not writable, in
     the per-user cache directory. Outside the recording's directory the name carries a
-    digest of the recording's absolute path, so that two ``run.parquet`` do not meet."""
+    digest of the recording's absolute path, so that two ``run.parquet`` do not meet. A
+    segment replayed alone is not cached beside it: its directory holds a recording, which
+    kvctl keeps to its own files."""
     tag = hashlib.sha256(json.dumps(variant, sort_keys=True).encode()).hexdigest()[:12]
     name = f"{recording.name}.{tag}{SUFFIX}"
     beside = recording.resolve().parent
-    if cache_dir is None and os.access(beside, os.W_OK | os.X_OK):
+    segment = SEGMENT_RE.match(recording.name) is not None
+    if cache_dir is None and not segment and os.access(beside, os.W_OK | os.X_OK):
         return beside / f".{name}"
     where = cache_dir if cache_dir is not None else user_cache_dir()
     digest = hashlib.sha256(str(recording.resolve()).encode()).hexdigest()[:12]
