@@ -550,9 +550,8 @@ class Sender:
         self.target.service()
 
     def write_raw(self, batch: Batch) -> bool:
-        """Send a malformed message's frames exactly as recorded (raw ZMQ replay only; the
-        default format sends those of ZMQ messages and skips NATS ones, ``--format raw``
-        refuses NATS ones, see :func:`recorded_zmq_frames`)."""
+        """Send a malformed message's frames exactly as recorded, where the target takes
+        them (:func:`forwards_malformed`); else count it as skipped."""
         if isinstance(self.target, ZmqTarget) and forwards_malformed(self.encoding, batch):
             frames = recorded_zmq_frames(batch)
             self.target.socket(self.target.slot_for(batch)).send(frames)
