@@ -280,3 +280,15 @@ def test_a_batch_without_time_is_replayed_without_a_cache(tmp_path):
         pytest.skip("this Dynamo JSON shape carries a time")
     sent, report = received(path)
     assert report["batches"] == 1 and msgpack.unpackb(sent[0][2])[1][0]["block_hashes"] == [5]
+
+
+def test_several_recordings_play_in_order_from_their_caches(tmp_path):
+    first, second = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    make_recording(first, batches=6)
+    make_recording(second, batches=9)  # (the malformed message comes after batch 10)
+    decoded, _ = received(first, str(second), "--no-cache")
+    assert len(decoded) == 6 + 9
+    cached, _ = received(first, str(second))
+    assert len(caches_of(tmp_path)) == 2
+    assert cached == decoded
+    assert [int.from_bytes(m[1], "big") for m in cached] == list(range(15))  # one socket

@@ -168,18 +168,27 @@ def command(
     recording = RecordingSource(list(recordings), chunk_rows=4096 if topspeed else 256)
     target = open_target(to, nats, out)
     caches: list[Any] | None = None
-    try:
-        if isinstance(target, ZmqTarget) and not (
-            no_cache or selection.types or selection.workers or count
-        ):
+    if isinstance(target, ZmqTarget) and not (
+        no_cache or selection.types or selection.workers or count
+    ):
+        opened: list[Any] = []
+        try:
             variant = frames_variant(to)
             where = Path(cache_dir) if cache_dir else None
-            caches = [_frames(path, variant, where, out) for path in recordings]
-            if any(c is None for c in caches):
-                caches = None
-    except BaseException:
-        target.close()
-        raise
+            for path in recordings:
+                opened.append(_frames(path, variant, where, out))
+        except BaseException:
+            for cache in opened:
+                if cache is not None:
+                    cache.close()
+            target.close()
+            raise
+        caches = opened
+        if any(c is None for c in caches):  # one recording is read: all are (one order)
+            for cache in caches:
+                if cache is not None:
+                    cache.close()
+            caches = None
     schedule = Schedule(None if topspeed else (1.0 if rate else speed))
     sender = Sender(target, to.encoding)
     progress = _Progress(out, list(recordings), loop, sender)
