@@ -1,8 +1,11 @@
-"""replay: --topspeed vs a bare send_multipart loop, and --rate accuracy, in the same run.
+"""replay: --topspeed vs a bare send_multipart loop, in the same run; from the frames cache
+(prepared, the default) and decoding the recording while sending (--no-cache).
 
 A recording of realistic vLLM batches is replayed by `kvctl replay` (a subprocess, exactly as
 users run it) into a SUB draining in another process; its own report gives the send time. The
 bare limit is a plain pyzmq PUB sending the same frames in a loop to the same kind of drain.
+The frames cache is built once first (`kvctl replay --prepare`, timed apart). Pacing accuracy
+is `bench/pacing.py`.
 
     python bench/replay_throughput.py [--batches 50000] [--rounds 3]
 """
@@ -36,7 +39,8 @@ def drain(endpoint: str, expected: int, ready) -> None:
     sock.close(0)
 
 
-def bare(frames: list[list[bytes]]) -> float:
+def bare(frames: list[list[bytes]]) -> tuple[float, float]:
+    """Batches per second, and CPU seconds per batch."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     sock = zmq.Context.instance().socket(zmq.XPUB)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -46,16 +50,19 @@ def bare(frames: list[list[bytes]]) -> float:
     proc.start()
     sock.recv()  # the drain subscribed
     send = sock.send_multipart
+    cpu = time.process_time()
     start = time.perf_counter()
     for f in frames:
         send(f, copy=False)
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     proc.join(60)
     sock.close(0)
-    return len(frames) / elapsed
+    return len(frames) / elapsed, cpu / len(frames)
 
 
 def kvctl(path: Path, batches: int, *args: str) -> dict:
+    """`kvctl replay PATH ARGS` into a draining SUB in another process: its JSON report."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     ready = mp.Event()
     proc = mp.Process(target=drain, args=(endpoint, batches, ready))
@@ -82,47 +89,73 @@ def kvctl(path: Path, batches: int, *args: str) -> dict:
     return json.loads(out)
 
 
-def main() -> None:
+def prepare(path: Path) -> float:
+    """Build the frames cache of ``path`` (`kvctl replay --prepare`); seconds it took."""
+    started = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "kvctl", "replay", "--prepare", str(path), "-q"], check=True
+    )
+    return time.perf_counter() - started
+
+
+def bench_frames(batches: int) -> list[list[bytes]]:
+    return [[b"", i.to_bytes(8, "big"), p] for i, p in enumerate(realistic_payloads(batches))]
+
+
+def write_recording(path: Path, frames: list[list[bytes]], step_ns: int = 100_000) -> None:
+    """The frames as a recording, received ``step_ns`` apart."""
     from kvctl.formats import decode_zmq
     from kvctl.recording.writer import RecordingWriter
 
+    writer = RecordingWriter(path)
+    for i, f in enumerate(frames):
+        writer.write(decode_zmq(f, "tcp://bench", 1_700_000_000_000_000_000 + i * step_ns))
+    writer.close()
+
+
+def ratios(values: list[float], reference: list[float]) -> str:
+    return ", ".join(f"{x / y:.2f}" for x, y in zip(values, reference, strict=True))
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=50_000)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    payloads = realistic_payloads(args.batches)
-    frames = [[b"", i.to_bytes(8, "big"), p] for i, p in enumerate(payloads)]
+    frames = bench_frames(args.batches)
     with tempfile.TemporaryDirectory(prefix="kvctl-bench-") as tmp:
-        paths = {}
-        for n in (args.batches, 5_000):  # 5 s at --rate 1000 (and 10000 with the default)
-            paths[n] = path = Path(tmp) / f"run-{n}.parquet"
-            writer = RecordingWriter(path)
-            for i, f in enumerate(frames[:n]):
-                writer.write(decode_zmq(f, "tcp://bench", 1_700_000_000_000_000_000 + i * 100_000))
-            writer.close()
-        path = paths[args.batches]
-        rates = {"bare": [], "kvctl": []}
+        path = Path(tmp) / "run.parquet"
+        write_recording(path, frames)
+        prepared_s = prepare(path)
+        rates: dict[str, list[float]] = {"bare": [], "prepared": [], "decoding": []}
+        cpu: dict[str, list[float]] = {name: [] for name in rates}
         for _ in range(args.rounds):
-            rates["bare"].append(bare(frames))
-            rates["kvctl"].append(kvctl(path, args.batches, "--topspeed")["batches_per_s"])
-        b, k = statistics.median(rates["bare"]), statistics.median(rates["kvctl"])
+            rate, per_batch = bare(frames)
+            rates["bare"].append(rate)
+            cpu["bare"].append(per_batch)
+            for name, extra in (("prepared", ()), ("decoding", ("--no-cache",))):
+                report = kvctl(path, args.batches, "--topspeed", *extra)
+                rates[name].append(report["batches_per_s"])
+                cpu[name].append(report["cpu_s"] / report["batches"])
+        b = statistics.median(rates["bare"])
         print(f"{args.batches} batches, {args.rounds} rounds, medians")
-        print(f"bare send_multipart loop : {b:12,.0f} batches/s")
         print(
-            f"kvctl replay --topspeed  : {k:12,.0f} batches/s   ratio {k / b:.2f} (rounds: "
-            + ", ".join(f"{x / y:.2f}" for x, y in zip(rates["kvctl"], rates["bare"], strict=True))
-            + ")"
+            f"kvctl replay --prepare                : {prepared_s:9.2f} s "
+            f"({args.batches / prepared_s:,.0f} batches/s; once per recording and format)"
         )
-        for rate, n in ((1_000, 5_000), (10_000, args.batches)):
-            report = kvctl(paths[n], n, "--rate", str(rate))
-            sent = report["batches"]
-            achieved = sent / report["elapsed_s"]
-            late = report["lateness"]
+        print(
+            f"bare send_multipart loop              : {b:12,.0f} batches/s   "
+            f"CPU {statistics.median(cpu['bare']) * 1e6:5.1f} µs/batch"
+        )
+        for name, label in (
+            ("prepared", "kvctl replay --topspeed (prepared)   "),
+            ("decoding", "kvctl replay --topspeed --no-cache   "),
+        ):
+            k = statistics.median(rates[name])
             print(
-                f"--rate {rate:>6}: {sent} batches, achieved {achieved:,.1f}/s "
-                f"(error {abs(achieved - rate) / rate:.3%}), lateness median "
-                f"{late['median_ms']:.3f} ms, p99 {late['p99_ms']:.3f} ms, max "
-                f"{late['max_ms']:.3f} ms, CPU {report['cpu_percent']:.0f}%"
+                f"{label} : {k:12,.0f} batches/s   "
+                f"CPU {statistics.median(cpu[name]) * 1e6:5.1f} µs/batch   ratio {k / b:.2f} "
+                f"(rounds: {ratios(rates[name], rates['bare'])})"
             )
 
 

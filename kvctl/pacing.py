@@ -4,10 +4,13 @@ the same pipeline as a live one (bridge)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .events import Batch
+
+Row = tuple[Any, ...]
+"""What :meth:`PacedSource.rows` paces: ``(when, seq, ...)``."""
 
 Window = tuple[str, float]
 """A ``--start``/``--end`` bound: ``("time", seconds from the recording's start)`` or
@@ -91,10 +94,26 @@ class PacedSource:
         self.cpu_start = time.process_time()
 
     def batches(self) -> Iterator[Batch]:
+        def timed(loop: int) -> Iterator[tuple[float, int | None, Batch]]:
+            return ((batch_time(b), b.seq, b) for b in self.recording.batches())
+
+        for row in self.rows(timed):
+            yield row[2]
+
+    def rows(self, rows_of_loop: Callable[[int], Iterable[Row]]) -> Iterator[Row]:
+        """The pacing itself, over any rows that start with ``(when, seq)`` (a recorded
+        batch, or a prepared message of replay's frames cache): ``rows_of_loop(n)`` gives
+        loop n's rows, and each row is handed over when it is due."""
         schedule = self.schedule
+        wait = schedule.wait
+        rate, on_read = self.rate, self.on_read
+        window_start, window_end = self.start, self.end
+        windowed = window_start is not None or window_end is not None
+        time_end = window_end[1] if window_end is not None and window_end[0] == "time" else None
         max_gap_s = None
         if self.max_gap is not None:  # in recorded seconds
             max_gap_s = self.max_gap * (schedule.speed or 1.0)
+        step = 1.0 / rate if rate else 0.0
         offset = 0.0
         loop = 0
         while self.loops == 0 or loop < self.loops:
@@ -102,43 +121,47 @@ class PacedSource:
                 self.on_loop(loop)
             previous: float | None = None
             first: float | None = None
-            for batch in self.recording.batches():
-                if self.on_read is not None:
-                    self.on_read()
-                when = (batch.recv_ns or int((batch.ts or 0) * 1e9)) / 1e9
+            for row in rows_of_loop(loop):
+                if on_read is not None:
+                    on_read()
+                when = row[0]
                 if first is None:
                     first = when
                     if loop == 0:
                         schedule.start = time.perf_counter()
                         self.cpu_start = time.process_time()
-                if not _in_window(batch, when - first, self.start, self.end):
-                    end = self.end
-                    if end is not None and end[0] == "time" and when - first > end[1]:
+                if windowed and not _in_window(row[1], when - first, window_start, window_end):
+                    if time_end is not None and when - first > time_end:
                         break  # seq windows cannot stop early: seqs count per publisher
                     continue
-                if self.rate:
-                    offset += 1.0 / self.rate
+                if step:
+                    offset += step
                 elif previous is not None:
-                    gap = max(0.0, when - previous)
-                    if max_gap_s is not None:
-                        gap = min(gap, max_gap_s)
-                    offset += gap
+                    gap = when - previous
+                    if gap > 0.0:
+                        offset += gap if max_gap_s is None or gap < max_gap_s else max_gap_s
                 previous = when
-                schedule.wait(offset)
-                yield batch
+                wait(offset)
+                yield row
             loop += 1
 
     def close(self) -> None:
         self.recording.close()
 
 
-def _in_window(batch: Batch, offset: float, start: Window | None, end: Window | None) -> bool:
+def batch_time(batch: Batch) -> float:
+    """When a recorded batch arrived (its engine time if it has no receive time), in seconds:
+    what replay paces by."""
+    return (batch.recv_ns or int((batch.ts or 0) * 1e9)) / 1e9
+
+
+def _in_window(seq: int | None, offset: float, start: Window | None, end: Window | None) -> bool:
     if start is not None:
-        value = offset if start[0] == "time" else batch.seq
+        value = offset if start[0] == "time" else seq
         if value is None or value < start[1]:
             return False
     if end is not None:
-        value = offset if end[0] == "time" else batch.seq
+        value = offset if end[0] == "time" else seq
         if value is None or value > end[1]:
             return False
     return True

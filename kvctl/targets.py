@@ -89,6 +89,41 @@ def split_endpoint(endpoint: str) -> tuple[str, int | None]:
     return endpoint, None
 
 
+def slot_key(batch: Batch) -> Any:
+    """What tells the workers of a recording apart for ``--port-per-worker``."""
+    return (batch.worker_id, batch.dp_rank) if batch.worker_id is not None else batch.source
+
+
+def zmq_message(
+    encoding: str,
+    batch: Batch,
+    events: list[Event],
+    worker_topics: str | None,
+    array_layout: str,
+) -> tuple[bytes, bytes]:
+    """The topic and payload frames of ``events`` of ``batch`` sent in ``encoding`` by an
+    engine-style socket (the seq frame between them is the socket's). ``raw`` sends the
+    recorded payload of an engine batch, or an engine payload relayed on NATS."""
+    if worker_topics and batch.worker_id is not None:
+        # llm-d's convention: consumers (kvctl tap too) read the worker from the topic
+        topic = f"kv@{batch.worker_id}@{worker_topics}".encode()
+    elif batch.topic and batch.format.startswith("engine"):
+        topic = batch.topic.encode()
+    else:
+        topic = b""
+    if encoding == "raw":
+        if len(batch.frames) == 3 and batch.format.startswith("engine"):
+            return (topic if worker_topics else batch.frames[0]), batch.frames[2]
+        if len(batch.frames) == 1:  # an engine payload relayed on NATS
+            return topic, batch.frames[0]
+        raise UsageError(
+            f"--format raw: a {batch.format} message from {batch.source} with"
+            f" {len(batch.frames)} frames has no recorded payload to send"
+        )
+    ts = batch.ts if batch.ts is not None else time.time()
+    return topic, zmq_encoding(encoding).payload(events, ts, batch.dp_rank, array_layout)
+
+
 class ZmqTarget:
     """Engine-style PUB sockets that bind: one socket, or one per worker on consecutive ports
     (``port + i``, as vLLM does per DP rank). Each socket has its own seq from 0 unless
@@ -156,9 +191,10 @@ class ZmqTarget:
         return self.sockets[slot]
 
     def slot_for(self, batch: Batch) -> int:
-        if not self.per_worker:
-            return 0
-        key = (batch.worker_id, batch.dp_rank) if batch.worker_id is not None else batch.source
+        return self.slot_of(slot_key(batch)) if self.per_worker else 0
+
+    def slot_of(self, key: Any) -> int:
+        """The socket of a worker (:func:`slot_key`), the next one for a worker not seen yet."""
         slot = self.slots.get(key)
         if slot is None:
             slot = self.slots[key] = len(self.slots)
@@ -173,28 +209,18 @@ class ZmqTarget:
     def frames(self, batch: Batch, events: list[Event], slot: int) -> list[bytes]:
         if self.encoding == "raw" and not batch.format.startswith("engine"):
             return recorded_zmq_frames(batch)  # e.g. Dynamo's event plane: its seq is inside
-        seq = batch.seq if self.keep_seq and batch.seq is not None else self.seqs[slot]
+        seq = self.next_seq(slot, batch.seq)
+        topic, payload = zmq_message(
+            self.encoding, batch, events, self.worker_topics, self.array_layout
+        )
+        return [topic, seq, payload]
+
+    def next_seq(self, slot: int, recorded: int | None) -> bytes:
+        """The seq frame of the socket's next message: its own count, or the recorded seq
+        (``keep_seq``), which the count then follows."""
+        seq = recorded if self.keep_seq and recorded is not None else self.seqs[slot]
         self.seqs[slot] = seq + 1
-        if self.worker_topics and batch.worker_id is not None:
-            # llm-d's convention: consumers (kvctl tap too) read the worker from the topic
-            topic = f"kv@{batch.worker_id}@{self.worker_topics}".encode()
-        elif batch.topic and batch.format.startswith("engine"):
-            topic = batch.topic.encode()
-        else:
-            topic = b""
-        if self.encoding == "raw":
-            if len(batch.frames) == 3 and batch.format.startswith("engine"):
-                recorded_topic = topic if self.worker_topics else batch.frames[0]
-                return [recorded_topic, seq.to_bytes(8, "big"), batch.frames[2]]
-            if len(batch.frames) == 1:  # an engine payload relayed on NATS
-                return [topic, seq.to_bytes(8, "big"), batch.frames[0]]
-            raise UsageError(
-                f"--format raw: a {batch.format} message from {batch.source} with"
-                f" {len(batch.frames)} frames has no recorded payload to send"
-            )
-        ts = batch.ts if batch.ts is not None else time.time()
-        payload = zmq_encoding(self.encoding).payload(events, ts, batch.dp_rank, self.array_layout)
-        return [topic, seq.to_bytes(8, "big"), payload]
+        return seq.to_bytes(8, "big")
 
     def write(self, batch: Batch, events: list[Event], slot: int | None = None) -> int:
         slot = self.slot_for(batch) if slot is None else slot
@@ -479,6 +505,23 @@ def salt_hashes(event: Event, salt: int) -> Event:
     return out
 
 
+def zmq_format_for(encoding: str | None, batch: Batch, as_recorded: bool) -> str:
+    """The format a ZMQ target sends ``batch`` in: the one asked for, else the recorded bytes
+    of an engine batch whose events are sent ``as_recorded``, else vLLM's."""
+    return encoding or ("raw" if as_recorded and batch.format.startswith("engine") else "vllm")
+
+
+def forwards_malformed(encoding: str | None, batch: Batch) -> bool:
+    """A ZMQ target sends this malformed message's recorded frames (raw replay only; the
+    default format sends those of ZMQ messages and skips NATS ones, ``--format raw`` refuses
+    NATS ones, see :func:`recorded_zmq_frames`)."""
+    return (
+        encoding in (None, "raw")
+        and bool(batch.frames)
+        and (encoding == "raw" or not from_nats(batch))
+    )
+
+
 class Sender:
     """The sink side of replay and bridge: picks raw bytes or an encoder per batch, applies
     per-loop hash salting, sends through a target and counts what went out."""
@@ -494,9 +537,7 @@ class Sender:
             events = [salt_hashes(e, self.salt) for e in events]
         if isinstance(self.target, ZmqTarget):
             raw_ok = events is batch.events and not self.salt
-            wanted = self.encoding or (
-                "raw" if raw_ok and batch.format.startswith("engine") else "vllm"
-            )
+            wanted = zmq_format_for(self.encoding, batch, raw_ok)
             if wanted == "raw" and not raw_ok:
                 raise UsageError(
                     "--format raw sends recorded bytes unchanged: it cannot be "
@@ -509,15 +550,9 @@ class Sender:
         self.target.service()
 
     def write_raw(self, batch: Batch) -> bool:
-        """Send a malformed message's frames exactly as recorded (raw ZMQ replay only; the
-        default format sends those of ZMQ messages and skips NATS ones, ``--format raw``
-        refuses NATS ones, see :func:`recorded_zmq_frames`)."""
-        if (
-            isinstance(self.target, ZmqTarget)
-            and self.encoding in (None, "raw")
-            and batch.frames
-            and (self.encoding == "raw" or not from_nats(batch))
-        ):
+        """Send a malformed message's frames exactly as recorded, where the target takes
+        them (:func:`forwards_malformed`); else count it as skipped."""
+        if isinstance(self.target, ZmqTarget) and forwards_malformed(self.encoding, batch):
             frames = recorded_zmq_frames(batch)
             self.target.socket(self.target.slot_for(batch)).send(frames)
             self.bytes += sum(map(len, frames))
@@ -526,5 +561,165 @@ class Sender:
         self.skipped += 1
         return False
 
+    def send_prepared(self, rows: Any) -> None:
+        """Send rows of a frames cache (see :func:`prepared_rows`) through the ZMQ target,
+        counting as :meth:`write` and :meth:`write_raw` do: ready bytes only, nothing is
+        decoded or encoded here. The rows are ``(when, seq, kind, events, key, topic,
+        payload, extra)``; ``key`` matters only with one socket per worker."""
+        target = self.target
+        sockets, seqs, replays = target.sockets, target.seqs, target.replays
+        keep_seq, per_worker = target.keep_seq, target.per_worker
+        workers: dict[str, Any] = {}
+        slot = 0
+        for _, seq, kind, events, key, topic, payload, extra in rows:
+            if per_worker and key is not None:
+                worker = workers.get(key)
+                if worker is None:
+                    worker = workers[key] = worker_key(key)
+                slot = target.slot_of(worker)
+                if slot >= len(sockets):
+                    target.socket(slot)
+            if kind == SEND:
+                number = seq if keep_seq and seq is not None else seqs[slot]
+                seqs[slot] = number + 1
+                sockets[slot].send([topic, number.to_bytes(8, "big"), payload])
+                if replays:
+                    replays[slot].remember(number, topic, payload)
+                    target.service()
+                size = len(topic) + 8 + len(payload)
+                target.bytes_sent += size
+                self.bytes += size
+                self.batches += 1
+                self.events += events
+            elif kind != NOTHING:
+                self._send_rare(kind, slot, events, extra)
+
+    def _send_rare(self, kind: int, slot: int, events: int, extra: Any) -> None:
+        target = self.target
+        if kind == DECODED:  # as the pipeline hands it to replay's Sending consumer
+            if extra.error is not None:
+                self.write_raw(extra)
+            elif extra.events or self.encoding == "raw":
+                self.write(extra, extra.events)
+            return
+        if kind == SKIP:
+            self.skipped += 1
+            return
+        if kind == REFUSED:
+            raise UsageError(extra)
+        target.socket(slot).send(extra)
+        size = sum(map(len, extra))
+        self.bytes += size
+        self.batches += 1
+        if kind == FORWARD:  # as ZmqTarget.write does
+            if target.replays and len(extra) == 3:
+                target.replays[slot].remember(int.from_bytes(extra[1], "big"), extra[0], extra[2])
+            target.bytes_sent += size
+            self.events += events
+            target.service()
+
     def close(self) -> None:
         pass
+
+
+# How replay's sender takes a prepared message (the ``kind`` of a frames-cache row,
+# :mod:`kvctl.recording.frames`): exactly as :class:`Sender` would take the batch.
+SEND = 0
+"""``[topic, the socket's next seq frame, payload]``."""
+FORWARD = 1
+"""Its frames as recorded, through the target (a Dynamo event-plane message, raw)."""
+MALFORMED = 2
+"""A malformed message's frames as recorded (:meth:`Sender.write_raw`)."""
+SKIP = 3
+"""A malformed message the target does not take (counted as skipped)."""
+NOTHING = 4
+"""A batch without events: nothing is sent (its place in the schedule stays)."""
+REFUSED = 5
+"""A usage error once it is reached (what ``--format raw`` cannot send)."""
+DECODED = 6
+"""Not prepared: a recorded batch (``extra``), encoded now (a salted loop of replay)."""
+
+
+class NotPreparable(Exception):
+    """A message whose bytes cannot be prepared ahead (they depend on the moment of sending)."""
+
+
+def frames_variant(to: Target) -> dict[str, Any]:
+    """The target options that change the bytes of a prepared message (the rest, such as the
+    seq frame and the socket, are chosen when sending)."""
+    return {
+        "format": to.encoding,
+        "array_layout": to.array_layout,
+        "worker_topics": to.worker_topics,
+    }
+
+
+def prepared_rows(batches: Any, variant: dict[str, Any]) -> Any:
+    """Frames-cache rows of recorded ``batches``: what a ZMQ target of ``variant`` sends of
+    each when nothing filters or salts it (the same decisions as :class:`Sender`, through the
+    same functions). :class:`NotPreparable` for a batch whose bytes depend on the clock."""
+    import json
+
+    from .pacing import batch_time
+
+    encoding = variant["format"]
+    worker_topics, array_layout = variant["worker_topics"], variant["array_layout"]
+    for batch in batches:
+        key = slot_key(batch)
+        try:
+            key_json = json.dumps(["w", *key] if isinstance(key, tuple) else ["s", key])
+        except TypeError:
+            raise NotPreparable(f"worker id {batch.worker_id!r} is not plain data") from None
+        malformed = batch.error is not None
+        topic = payload = b""
+        frames: list[bytes] | None = None
+        error: str | None = None
+        events = 0
+        try:
+            if malformed:
+                if forwards_malformed(encoding, batch):
+                    kind, frames = MALFORMED, recorded_zmq_frames(batch)
+                else:
+                    kind = SKIP
+            elif not batch.events and encoding != "raw":
+                kind = NOTHING  # the pipeline hands it over as emptied: only raw sends it
+            else:
+                events = len(batch.events)
+                wanted = zmq_format_for(encoding, batch, True)
+                if wanted == "raw" and not batch.format.startswith("engine"):
+                    kind, frames = FORWARD, recorded_zmq_frames(batch)
+                else:
+                    if wanted != "raw" and batch.ts is None:
+                        raise NotPreparable("a batch without a time is sent with the clock's")
+                    kind = SEND
+                    topic, payload = zmq_message(
+                        wanted, batch, batch.events, worker_topics, array_layout
+                    )
+        except UsageError as exc:
+            kind, error = REFUSED, str(exc)
+        yield (
+            batch_time(batch),
+            batch.seq,
+            kind,
+            malformed,
+            events,
+            key_json,
+            topic,
+            payload,
+            frames,
+            error,
+        )
+
+
+def worker_key(key_json: str) -> Any:
+    """The :func:`slot_key` a prepared row names."""
+    import json
+
+    kind, *parts = json.loads(key_json)
+    return tuple(parts) if kind == "w" else parts[0]
+
+
+def bind_workers(target: ZmqTarget, keys_json: list[str]) -> None:
+    """Bind the socket of every worker up front, as :meth:`ZmqTarget.open_for` does."""
+    for key in keys_json:
+        target.socket(target.slot_of(worker_key(key)))

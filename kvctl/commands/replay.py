@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -80,6 +83,24 @@ def parse_window(value: str | None) -> Window | None:
 @click.option("--end", metavar="SECONDS|seq:N", help="Stop at this point.")
 @filter_options
 @click.option("-c", "--count", type=click.IntRange(min=1), metavar="N", help="Stop after N events.")
+@click.option(
+    "--prepare",
+    is_flag=True,
+    help="Build the frames cache of each RECORDING for --format (and --array-layout, "
+    "--worker-topics) and exit; no --to needed.",
+)
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    envvar="KVCTL_CACHE_DIR",
+    metavar="DIR",
+    help="Keep frames caches here instead of beside the recordings.",
+)
+@click.option(
+    "--no-cache",
+    is_flag=True,
+    help="Decode and encode the recording while sending; no frames cache is read or written.",
+)
 @report_options
 def command(
     recordings: tuple[str, ...],
@@ -95,6 +116,9 @@ def command(
     end: str | None,
     selection: Filters,
     count: int | None,
+    prepare: bool,
+    cache_dir: str | None,
+    no_cache: bool,
     out: Output,
 ) -> None:
     """Replay recordings into an engine (ZMQ PUB that binds) or a router (Dynamo on NATS),
@@ -103,20 +127,37 @@ def command(
     Every send is scheduled from the start time (never from the previous send), so timing
     does not drift. Ends with a tcpreplay-style report of what was sent and how late.
 
+    To a ZMQ target the sender never decodes: like tcpreplay's tcpprep, the first replay of a
+    recording in a format prepares the frames it sends (and their timing) into a frames cache,
+    which later replays memory-map. The cache is a hidden file beside the recording
+    (.NAME.<variant>.kvctl-frames), or in --cache-dir / KVCTL_CACHE_DIR, or, when the
+    recording's directory is not writable (or is a segment directory and one segment is
+    replayed), in the per-user cache directory ($XDG_CACHE_HOME/kvctl/frames, else
+    ~/.cache/kvctl/frames). It is rebuilt whenever the
+    recording (its files' sizes and times), the format options or kvctl change, and whenever
+    it is damaged; delete it at any time. --prepare builds it ahead. Filters, -c, the salted
+    loops of --unique-hashes and NATS targets encode while sending, as does --no-cache.
+
     \b
     Example:
       kvctl replay run.parquet --to tcp://127.0.0.1:5557
       kvctl replay run.parquet --to tcp://127.0.0.1:5557 --format vllm-array --speed 10
       kvctl replay run.parquet --to nats://127.0.0.1:4222 --format dynamo --rate 1000
       kvctl replay run.parquet --to tcp://127.0.0.1:5557 --topspeed --loop 5 --unique-hashes
+      kvctl replay --prepare run.parquet --format vllm-array
     """
-    from ..pacing import PacedSource, Schedule
+    from ..pacing import PacedSource, Schedule, batch_time
     from ..pipeline import run
     from ..recording.source import RecordingSource
     from ..selection import Limits
     from ..session import on_interrupt
-    from ..targets import Sender, ZmqTarget
+    from ..targets import DECODED, Sender, ZmqTarget, bind_workers, frames_variant
 
+    if prepare:
+        _prepare(recordings, to, Path(cache_dir) if cache_dir else None, out)
+        return
+    if to.url is None:
+        raise click.MissingParameter(param_hint="'--to'", param_type="option")
     if to.encoding == "raw" and (unique_hashes or selection.types or selection.workers or count):
         raise click.UsageError(
             "--format raw sends recorded bytes unchanged: it cannot be "
@@ -126,6 +167,28 @@ def command(
     # paced sends must not stall while the next chunk is decoded (256 rows: ~3 ms stalls)
     recording = RecordingSource(list(recordings), chunk_rows=4096 if topspeed else 256)
     target = open_target(to, nats, out)
+    caches: list[Any] | None = None
+    if isinstance(target, ZmqTarget) and not (
+        no_cache or selection.types or selection.workers or count
+    ):
+        opened: list[Any] = []
+        try:
+            variant = frames_variant(to)
+            where = Path(cache_dir) if cache_dir else None
+            for path in recordings:
+                opened.append(_frames(path, variant, where, out))
+        except BaseException:
+            for cache in opened:
+                if cache is not None:
+                    cache.close()
+            target.close()
+            raise
+        caches = opened
+        if any(c is None for c in caches):  # one recording is read: all are (one order)
+            for cache in caches:
+                if cache is not None:
+                    cache.close()
+            caches = None
     schedule = Schedule(None if topspeed else (1.0 if rate else speed))
     sender = Sender(target, to.encoding)
     progress = _Progress(out, list(recordings), loop, sender)
@@ -143,6 +206,16 @@ def command(
     def next_loop(loop: int) -> None:
         sender.salt = _salt(loop) if unique_hashes else 0
 
+    def prepared_rows(loop: int) -> Iterator[tuple[Any, ...]]:
+        if sender.salt:  # salted hashes change the bytes: this loop encodes while sending
+            for batch in recording.batches():
+                yield (batch_time(batch), batch.seq, DECODED, 0, None, b"", b"", batch)
+            return
+        per_worker = to.per_worker
+        for cache in caches or ():
+            for chunk in cache.chunks(per_worker, rows=4096 if topspeed else 256):
+                yield from chunk
+
     source = PacedSource(
         recording,
         schedule,
@@ -152,23 +225,115 @@ def command(
         start=window_start,
         end=window_end,
         on_loop=next_loop,
-        on_read=progress.advance,
+        on_read=progress.advance if progress.bar is not None else None,
     )
     try:
         if to.per_worker and isinstance(target, ZmqTarget):
-            target.open_for(b for b in recording.batches() if b is not None and b.error is None)
+            if caches is not None:
+                bind_workers(target, [key for cache in caches for key in cache.open_keys()])
+            else:
+                target.open_for(b for b in recording.batches() if b is not None and b.error is None)
         wait_subscribers(target, to.wait_subscribers, out)
-        # raw sends every message, one without events too
-        sending = Sending(sender, send_empty=to.encoding == "raw")
-        run(source, [sending], Limits(count=count), selection)
+        if caches is not None:
+            # A full collection walks every object the imports made (ms: late sends); frozen,
+            # the collector looks only at what the send loop makes, which dies young.
+            gc.freeze()
+            try:
+                sender.send_prepared(source.rows(prepared_rows))
+            finally:
+                gc.unfreeze()
+        else:
+            # raw sends every message, one without events too
+            sending = Sending(sender, send_empty=to.encoding == "raw")
+            run(source, [sending], Limits(count=count), selection)
         linger(target, to.linger)
     finally:
         progress.stop()
         elapsed = time.perf_counter() - schedule.start
         target.close()
+        for cache in caches or ():
+            cache.close()
         # Ctrl-C stopped the replay (not its closing): the report of what was sent
         on_interrupt(interrupted, out.quiet)
     send_report()
+
+
+# --prepare needs no target: --to is checked in the command instead (same message)
+next(p for p in command.params if p.name == "to").required = False
+
+
+def _frames(path: str, variant: dict[str, Any], cache_dir: Path | None, out: Output) -> Any:
+    """The frames cache of one recording for ``variant``, built first if missing or stale;
+    None when replay must read the recording instead (it cannot be prepared, or the cache
+    cannot be written)."""
+    frames, _ = _cached_frames(path, variant, cache_dir, out)
+    if frames is not None and frames.unpreparable:
+        frames.close()
+        return None
+    return frames
+
+
+def _cached_frames(
+    path: str, variant: dict[str, Any], cache_dir: Path | None, out: Output
+) -> tuple[Any, float | None]:
+    """(the valid cache or None, seconds spent building it, None if it was there)."""
+    from ..recording.frames import CacheUnusable, cache_key, cache_path, open_cache, write_cache
+    from ..recording.source import RecordingSource
+    from ..targets import NotPreparable, prepared_rows
+
+    recording = Path(path)
+    key = cache_key(recording, variant)
+    where = cache_path(recording, variant, cache_dir)
+    frames = open_cache(where, key)
+    if frames is not None:
+        return frames, None
+    started = time.monotonic()
+    batches = RecordingSource([path]).batches()
+    try:
+        try:
+            write_cache(where, key, prepared_rows(batches, variant))
+        except NotPreparable as exc:
+            write_cache(where, key, [], unpreparable=str(exc))
+    except CacheUnusable as exc:
+        out.say(f"kvctl: cannot keep a frames cache ({exc}): replaying without one", "yellow")
+        return None, None
+    built = time.monotonic() - started
+    if built >= 1.0:
+        out.say(f"kvctl: prepared {path} for replay in {built:.1f} s ({where})", "dim")
+    return open_cache(where, key), built
+
+
+def _prepare(recordings: tuple[str, ...], to: Target, cache_dir: Path | None, out: Output) -> None:
+    """``--prepare``: the frames cache of every recording, built unless it is up to date."""
+    from ..help import NATS_FORMATS
+    from ..recording.frames import cache_path
+    from ..targets import frames_variant
+
+    if (to.url or "").startswith(("nats://", "tls://")) or to.encoding in NATS_FORMATS:
+        raise click.UsageError(
+            "--prepare: NATS targets encode while sending; only ZMQ formats are prepared"
+        )
+    variant = frames_variant(to)
+    for path in recordings:
+        frames, built = _cached_frames(path, variant, cache_dir, out)
+        if frames is None:
+            continue
+        result = {
+            "recording": path,
+            "cache": str(cache_path(Path(path), variant, cache_dir)),
+            "messages": frames.rows,
+            "built": built is not None,
+            "seconds": round(built or 0.0, 3),
+            "unpreparable": frames.unpreparable,
+        }
+        frames.close()
+        if out.as_json:
+            out.json(result)
+        elif frames.unpreparable:
+            out.say(f"{path}: not prepared ({frames.unpreparable}); replay reads it", "yellow")
+        else:
+            state = f"prepared in {built:.1f} s" if built is not None else "up to date"
+            out.say(f"{path}: {result['messages']:,} messages {state}: {result['cache']}")
 
 
 def _salt(loop: int) -> int:

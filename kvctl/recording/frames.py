@@ -1,0 +1,234 @@
+"""The frames cache of ``kvctl replay`` (tcpreplay's ``tcpprep``): per recorded message, the
+bytes replay sends and what its schedule and report need, prepared once so that the sender
+never decodes. One Arrow IPC file per recording and target variant, memory-mapped when read.
+
+The file is disposable: it is keyed by the recording's files (name, size, mtime), this
+module's format version, kvctl's version and the variant (the options that change the bytes);
+a file whose key differs, or that is not a complete and valid IPC file, is never used (the
+caller rebuilds it). It is written to a temporary file and renamed into place, so a reader
+sees a whole file or none. What the bytes are is the sending layer's business: here rows are
+stored and handed back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import __version__
+from .layout import SEGMENT_RE
+
+CACHE_VERSION = 1
+METADATA_KEY = b"kvctl-frames"
+SUFFIX = ".kvctl-frames"
+CHUNK_ROWS = 4096
+"""Rows per record batch of the file."""
+
+SCHEMA = pa.schema(
+    [
+        ("when", pa.float64()),  # the pacing time of the message, seconds
+        ("seq", pa.int64()),  # the recorded seq (windows, --keep-seq)
+        ("kind", pa.int8()),  # how the sender takes the row (kvctl.targets)
+        ("malformed", pa.bool_()),
+        ("events", pa.int32()),
+        ("key", pa.string()),  # which worker (JSON), for one socket per worker
+        ("topic", pa.binary()),
+        ("payload", pa.large_binary()),
+        ("frames", pa.list_(pa.binary())),  # sent as recorded (rare rows)
+        ("error", pa.string()),  # what refuses the row when it is reached (rare rows)
+    ]
+)
+Row = tuple[Any, ...]
+"""A row as the preparer gives it: a value per column of :data:`SCHEMA`, in order."""
+
+
+class CacheUnusable(Exception):
+    """The cache cannot be written here (the caller replays without it)."""
+
+
+def recording_key(path: Path) -> list[list[Any]]:
+    """What identifies the content of a recording: name, size and mtime of its file, or of
+    every file of its directory (segments, journals, manifest)."""
+    files = sorted(f for f in path.iterdir() if SUFFIX not in f.name) if path.is_dir() else [path]
+    key = []
+    for f in files:
+        st = f.stat()
+        key.append([f.name, st.st_size, st.st_mtime_ns])
+    return key
+
+
+def cache_key(path: Path, variant: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "cache_version": CACHE_VERSION,
+        "kvctl": __version__,
+        "recording": str(path.resolve()),
+        "files": recording_key(path),
+        "variant": variant,
+    }
+
+
+def user_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvctl" / "frames"
+
+
+def cache_path(recording: Path, variant: dict[str, Any], cache_dir: Path | None) -> Path:
+    """Where the cache of ``recording`` for ``variant`` lives: in ``cache_dir`` if given,
+    else beside the recording (a hidden file), else, when that directory is not writable, in
+    the per-user cache directory. Outside the recording's directory the name carries a
+    digest of the recording's absolute path, so that two ``run.parquet`` do not meet. A
+    segment replayed alone is not cached beside it: its directory holds a recording, which
+    kvctl keeps to its own files."""
+    tag = hashlib.sha256(json.dumps(variant, sort_keys=True).encode()).hexdigest()[:12]
+    name = f"{recording.name}.{tag}{SUFFIX}"
+    beside = recording.resolve().parent
+    segment = SEGMENT_RE.match(recording.name) is not None
+    if cache_dir is None and not segment and os.access(beside, os.W_OK | os.X_OK):
+        return beside / f".{name}"
+    where = cache_dir if cache_dir is not None else user_cache_dir()
+    digest = hashlib.sha256(str(recording.resolve()).encode()).hexdigest()[:12]
+    return where / f"{digest}-{name}"
+
+
+class FramesFile:
+    """A valid cache file, memory-mapped: its metadata, and its rows chunk by chunk."""
+
+    def __init__(self, path: Path) -> None:
+        self.source = pa.memory_map(str(path))
+        try:
+            self.reader = pa.ipc.open_file(self.source)
+            raw = (self.reader.schema.metadata or {}).get(METADATA_KEY)
+            self.metadata: dict[str, Any] = json.loads(raw) if raw else {}
+            if not self.reader.schema.equals(SCHEMA, check_metadata=False):
+                raise ValueError("not the frames schema")
+            for i in range(self.reader.num_record_batches):
+                self.reader.get_batch(i).validate(full=True)
+        except BaseException:
+            self.source.close()
+            raise
+
+    @property
+    def unpreparable(self) -> str | None:
+        """Why the recording cannot be prepared for this variant (replay decodes it then)."""
+        return self.metadata.get("unpreparable")
+
+    @property
+    def rows(self) -> int:
+        return sum(self.reader.get_batch(i).num_rows for i in range(self.reader.num_record_batches))
+
+    def open_keys(self) -> list[str]:
+        """The workers of well-formed messages in order of first appearance (the sockets of
+        ``--port-per-worker`` are bound in this order before anything is sent)."""
+        keys: list[str] = []
+        for i in range(self.reader.num_record_batches):
+            rb = self.reader.get_batch(i)
+            well_formed = pc.filter(rb.column("key"), pc.invert(rb.column("malformed")))
+            keys.extend(pc.unique(well_formed).to_pylist())
+        return list(dict.fromkeys(keys))
+
+    def chunks(self, with_keys: bool, rows: int = CHUNK_ROWS) -> Iterator[list[tuple[Any, ...]]]:
+        """The rows, ``rows`` at a time, as tuples ``(when, seq, kind, events, key, topic,
+        payload, extra)``: ``payload`` a zero-copy view of the mapped file, ``key`` the
+        worker's JSON only ``with_keys`` (else None), ``extra`` the recorded frames or the
+        error text of the rare rows that have one. Turning a chunk into Python values holds
+        the sender (~0.25 µs a row): a paced sender takes small chunks."""
+        for i in range(self.reader.num_record_batches):
+            whole = self.reader.get_batch(i)
+            for start in range(0, whole.num_rows, rows):
+                yield self._rows(whole.slice(start, rows), with_keys)
+
+    @staticmethod
+    def _rows(rb: pa.RecordBatch, with_keys: bool) -> list[tuple[Any, ...]]:
+        n = rb.num_rows
+        payload = rb.column("payload")
+        offsets = np.frombuffer(payload.buffers()[1], dtype=np.int64)
+        offsets = offsets[payload.offset : payload.offset + n + 1].tolist()
+        data = payload.buffers()[2]
+        view = memoryview(data) if data is not None else memoryview(b"")
+        payloads = [view[a:b] for a, b in zip(offsets, offsets[1:], strict=False)]
+        topic = rb.column("topic").dictionary_encode()
+        table = topic.dictionary.to_pylist()
+        topics = [table[k] for k in topic.indices.to_numpy().tolist()]
+        keys = rb.column("key").to_pylist() if with_keys else [None] * n
+        extra: list[Any] = [None] * n
+        for name in ("frames", "error"):
+            column = rb.column(name)
+            if column.null_count < n:
+                for k in np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False)):
+                    extra[k] = column[int(k)].as_py()
+        return list(
+            zip(
+                rb.column("when").to_numpy().tolist(),
+                rb.column("seq").to_pylist(),
+                rb.column("kind").to_numpy().tolist(),
+                rb.column("events").to_numpy().tolist(),
+                keys,
+                topics,
+                payloads,
+                extra,
+                strict=True,
+            )
+        )
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def open_cache(path: Path, key: dict[str, Any]) -> FramesFile | None:
+    """The cache at ``path`` if it is whole, valid and made for ``key``; else None."""
+    try:
+        frames = FramesFile(path)
+    except (OSError, ValueError, pa.ArrowException):  # missing, partial, not ours
+        return None
+    if frames.metadata.get("key") != key:
+        frames.close()
+        return None
+    return frames
+
+
+def write_cache(
+    path: Path, key: dict[str, Any], rows: Iterable[Row], unpreparable: str | None = None
+) -> None:
+    """Write the rows under ``key`` to a temporary file beside ``path``, then rename it into
+    place. ``unpreparable``: instead of rows, why the recording cannot be prepared.
+    :class:`CacheUnusable` when the directory cannot hold it."""
+    metadata = {"key": key, "unpreparable": unpreparable}
+    schema = SCHEMA.with_metadata({METADATA_KEY: json.dumps(metadata)})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise CacheUnusable(f"{path.parent}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            chunk: list[Row] = []
+            for row in [] if unpreparable else rows:
+                chunk.append(row)
+                if len(chunk) == CHUNK_ROWS:
+                    writer.write_batch(_record_batch(chunk))
+                    chunk = []
+            if chunk:
+                writer.write_batch(_record_batch(chunk))
+        os.replace(temporary, path)
+    except OSError as exc:
+        raise CacheUnusable(f"{path}: {exc.strerror or exc}") from None
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def _record_batch(rows: list[Row]) -> pa.RecordBatch:
+    columns = list(zip(*rows, strict=True))
+    return pa.RecordBatch.from_arrays(
+        [pa.array(values, type=field.type) for values, field in zip(columns, SCHEMA, strict=True)],
+        schema=SCHEMA,
+    )
