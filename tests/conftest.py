@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import select
 import shutil
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -26,6 +28,10 @@ REPO = Path(__file__).resolve().parent.parent
 # wants a width passes COLUMNS itself.
 for _variable in ("COLUMNS", "LINES"):
     os.environ.pop(_variable, None)
+# replay's frames cache of a recording it may not write beside goes to the per-user cache
+# directory: the suite's own, never the user's
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kvctl-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 
 def free_port() -> int:

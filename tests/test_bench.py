@@ -16,6 +16,7 @@ RUNS = {
     "record_throughput.py": ["--batches", "300", "--rounds", "1"],
     "record_throughput.py --convert": ["--convert", "--batches", "300", "--rounds", "1"],
     "replay_throughput.py": ["--batches", "300", "--rounds", "1"],
+    "pacing.py": ["--seconds", "0.05", "--rounds", "1"],
     "record_disk.py": ["--events", "3000", "--columns"],
     "record_disk.py --tokens random": ["--tokens", "random", "--batches", "300"],
     "sim_throughput.py": ["--workers", "2", "--requests", "50", "--repeat", "1"],

@@ -16,8 +16,8 @@ from inprocess import run_main
 from kvctl.commands.query import overlaps_from_dynamo, parse_token_ids, tokenize
 from kvctl.errors import ExitCode, UsageError
 from kvctl.recording.source import RecordingSource
-from kvctl.state import RouterIndex
 from kvctl.routing import Overlap
+from kvctl.state import RouterIndex
 
 
 def query(*args: str):
