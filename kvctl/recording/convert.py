@@ -207,13 +207,24 @@ class Decoder:
         self.mismatches = 0
 
     def convert(self, rb: pa.RecordBatch) -> pa.RecordBatch:
+        parts = self.convert_parts(rb)
+        if len(parts) == 1:
+            return parts[0]
+        return pa.Table.from_batches(parts, SCHEMA).combine_chunks().to_batches()[0]
+
+    def convert_parts(self, rb: pa.RecordBatch) -> list[pa.RecordBatch]:
+        """:meth:`convert`'s rows in a few record batches (one per slice, not copied into one:
+        the Parquet writer takes them as they are)."""
         if "event_index" in rb.schema.names:  # a format-1 journal: event rows already
-            return rb
-        if rb.num_rows > self.SLICE:  # decoded events are big Python objects: a few at once
-            parts = [
-                self.convert(rb.slice(i, self.SLICE)) for i in range(0, rb.num_rows, self.SLICE)
-            ]
-            return pa.Table.from_batches(parts, SCHEMA).combine_chunks().to_batches()[0]
+            return [rb]
+        if rb.num_rows <= self.SLICE:
+            return [self._convert_slice(rb)]
+        # decoded events are big Python objects: a few at once
+        return [
+            self._convert_slice(rb.slice(i, self.SLICE)) for i in range(0, rb.num_rows, self.SLICE)
+        ]
+
+    def _convert_slice(self, rb: pa.RecordBatch) -> pa.RecordBatch:
         rows = {name: rb.column(name).to_pylist() for name in _JOURNAL_COLUMNS}
         self.label_values.clear()  # bounded by a slice: labels may come from the wire
         typed = self.typed_items(rows)
@@ -545,7 +556,8 @@ def journal_to_parquet(
     out = ParquetOutput(target, compression_level)
     try:
         for rb in read_journal(journal):
-            out.add(decoder.convert(rb))
+            for part in decoder.convert_parts(rb):
+                out.add(part)
     except BaseException:
         out.abort()
         raise

@@ -70,7 +70,8 @@ class _Task:
         rb = pa.ipc.read_record_batch(message, self.schema)
         self.pos = self.file.tell()
         assert self.decoder is not None and self.out is not None
-        self.out.add(self.decoder.convert(rb))
+        for part in self.decoder.convert_parts(rb):
+            self.out.add(part)
         return True
 
     def finish(self) -> dict[str, Any]:

@@ -415,6 +415,8 @@ _INT_LISTS = {"token_ids": _U32, "block_hashes": _U64, "tokens_hashes": _U64}
 def _array(name: str, values: list[Any], t: pa.DataType) -> pa.Array:
     """One column of the record batch. Lists of unsigned ints (token ids: most of the values)
     go through an ``array`` buffer, 3x faster than Arrow's conversion of Python lists."""
+    if values.count(None) == len(values):  # a column the stream never uses (most of them)
+        return pa.nulls(len(values), t)
     typecode = _INT_LISTS.get(name)
     if typecode is not None:
         try:
@@ -425,7 +427,11 @@ def _array(name: str, values: list[Any], t: pa.DataType) -> pa.Array:
 
 
 def _int_list_array(values: list[Any], t: pa.DataType, typecode: str) -> pa.Array:
-    flat = array(typecode, list(chain.from_iterable(v for v in values if v)))
+    flat = array(typecode)
+    extend = flat.fromlist  # list by list: 2x faster than one list chained from them all
+    for v in values:
+        if v:
+            extend(v)
     offsets = array("i", accumulate((0 if v is None else len(v) for v in values), initial=0))
     return pa.ListArray.from_arrays(
         pa.Array.from_buffers(pa.int32(), len(offsets), [None, pa.py_buffer(offsets)]),
