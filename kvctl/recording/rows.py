@@ -412,11 +412,20 @@ _U64 = next((c for c in "LQ" if array(c).itemsize == 8), None)
 _INT_LISTS = {"token_ids": _U32, "block_hashes": _U64, "tokens_hashes": _U64}
 
 
+_DSTR = pa.dictionary(pa.int32(), pa.string())
+
+
 def _array(name: str, values: list[Any], t: pa.DataType) -> pa.Array:
     """One column of the record batch. Lists of unsigned ints (token ids: most of the values)
     go through an ``array`` buffer, 3x faster than Arrow's conversion of Python lists."""
-    if values.count(None) == len(values):  # a column the stream never uses (most of them)
-        return pa.nulls(len(values), t)
+    n = len(values)
+    if values.count(None) == n:  # a column the stream never uses (most of them)
+        return pa.nulls(n, t)
+    if t == _DSTR and type(values[0]) is str and values.count(values[0]) == n:
+        # one string all along (a source, a topic, a medium): no hashing row by row
+        return pa.DictionaryArray.from_arrays(
+            pa.repeat(pa.scalar(0, pa.int32()), n), pa.array(values[:1], pa.string())
+        )
     typecode = _INT_LISTS.get(name)
     if typecode is not None:
         try:
