@@ -12,6 +12,8 @@ in journal MB; at the end: the backlog when the stream stopped, the conversion l
 peak memory (VmHWM), and the events in the file against the events sent. On a busy machine
 the recorder itself may fall behind the stream (its queue fills; the journal keeps growing
 after the stream has stopped): that shows as the time its journal grew after the stream.
+The CPU time each process used (/proc, all threads) says how much of a core each needs at
+this rate, whatever else the machine runs: the converter keeps up where it gets that share.
 
 The target (issue 12): after 60 s at 100k events/s the backlog stays under 1 s, memory flat
 and under 200 MB per process.
@@ -88,6 +90,16 @@ def _status_kb(pid: int, key: str) -> int | None:
     return None
 
 
+def _cpu_s(pid: int) -> float | None:
+    """CPU time (user + system, all threads) of ``pid`` so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _children(pid: int) -> list[int]:
     found = []
     try:
@@ -128,6 +140,8 @@ class Watch:
         self.history: list[tuple[float, int]] = []  # (time, journal bytes)
         self.rss_max = {"recorder": 0, "converter": 0}
         self.hwm = {"recorder": 0, "converter": 0}
+        self.cpu = {"recorder": 0.0, "converter": 0.0}
+        self.cpu_start: dict[str, float] = {}  # at the first journal write: start-up excluded
         self.last: dict[str, float] = {}
 
     def sample(self) -> dict[str, float] | None:
@@ -151,6 +165,9 @@ class Watch:
             rss[name] = kb
             self.rss_max[name] = max(self.rss_max[name], kb)
             self.hwm[name] = max(self.hwm[name], _status_kb(pid, "VmHWM") or 0)
+            used = _cpu_s(pid) or 0.0
+            self.cpu_start.setdefault(name, used)
+            self.cpu[name] = max(self.cpu[name], used - self.cpu_start[name])
         self.last = {
             "lag_s": now - reached if behind else 0.0,
             "behind_mb": behind / 1e6,
@@ -242,6 +259,15 @@ def run(rate: float, seconds: float, every: float, idle: float) -> None:
             f"({lag.get('behind_mb', 0.0):.1f} MB of journal); the recorder journalled the "
             f"last batch {journalled - end_at:.2f} s after the stream stopped ({idle:g} s idle "
             f"timeout included); conversion left at close: {exit_at - journalled:.2f} s"
+        )
+        cpu = watch.cpu
+        print(
+            "CPU time (all threads, from the first journal write): recorder "
+            f"{cpu['recorder']:.1f} s, converter {cpu['converter']:.1f} s for {sent:,} events: "
+            "the converter needs "
+            f"{cpu['converter'] / max(sent, 1) * rate:.0%} of a core at {rate:,.0f} events/s "
+            f"(the recorder {cpu['recorder'] / max(sent, 1) * rate:.0%}): it keeps up where it "
+            "gets that much CPU (on a busy machine, it is niced below everything else)"
         )
         print(
             f"RSS max: recorder {watch.rss_max['recorder'] / 1024:.0f} MB, converter "
