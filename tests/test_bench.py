@@ -15,6 +15,7 @@ RUNS = {
     "tap_throughput.py": ["--batches", "300", "--rounds", "1"],
     "record_throughput.py": ["--batches", "300", "--rounds", "1"],
     "record_throughput.py --convert": ["--convert", "--batches", "300", "--rounds", "1"],
+    "record_sustained.py": ["--rate", "5000", "--seconds", "2", "--every", "1"],
     "replay_throughput.py": ["--batches", "300", "--rounds", "1"],
     "pacing.py": ["--seconds", "0.05", "--rounds", "1"],
     "record_disk.py": ["--events", "3000", "--columns"],

@@ -7,38 +7,52 @@ recorder's filters (journal header) and the ``kept`` cut (``-c`` on the last bat
 again; exact rows are rebuilt from their JSON. The rows go to a temp file, moved into place
 atomically once complete (:mod:`kvctl.recording.disk`).
 
-The converter has to keep up with the stream, so a slice of common engine batches takes a fast
-decoder (:meth:`Decoder.plain_items`): payloads decoded without the codecs' per-event checks,
-rows built column-wise with ``typed_only`` (which refuses any event those checks could reject),
+The converter has to keep up with the stream (100k events/s), so a slice of vLLM's map-form
+batches takes a typed decoder (:meth:`Decoder.typed_items`): msgspec decodes each payload
+straight into Structs of vLLM's event shapes, checking every type and range in C, and the
+event columns are read off the Structs (no per-event dict, no per-event Python code). Other
+common engine batches (SGLang, the seed publisher, older vLLM) take a fast decoder
+(:meth:`Decoder.plain_items`): payloads decoded without the codecs' per-event checks, rows
+built column-wise with ``typed_only`` (which refuses any event those checks could reject),
 frames recipes checked in one msgpack call. Anything else in a slice, and the whole slice is
-decoded again the tolerant way: both write the same rows.
+decoded again the tolerant way: all three write the same rows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import chain, repeat
 from pathlib import Path
 from types import NoneType
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import __version__
 from ..errors import DecodeError
-from ..events import TS_RANGE, Batch
+from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED, TS_RANGE, Batch
 from ..formats import decode_nats, decode_zmq
-from ..formats.engine_zmq import MAP_FORM, map_form_zmq_recipes, unpack, worker_from_topic
+from ..formats.engine_zmq import (
+    MAP_FORM,
+    RECIPES,
+    map_form_zmq_recipes,
+    unpack,
+    worker_from_topic,
+)
 from ..selection import Filters
 from .counts import Counts
 from .disk import fsync_dir, publish, temp_path
 from .journal import journal_metadata, read_journal
-from .rows import UntypedEvent, batches_to_record_batch
-from .schema import METADATA_KEY, SCHEMA, SCHEMA_VERSION, Gap
-from .tagged_json import from_json_value
+from .rows import UntypedEvent, batches_to_record_batch, typed_record_batch
+from .schema import I31, I63, METADATA_KEY, SCHEMA, SCHEMA_VERSION, Gap
+from .tagged_json import dumps, from_json_value
 
 DEFAULT_ZSTD_LEVEL = 6
 """Level 9 saves 1 % more and 15 saves 8 % (bench/record_disk.py), for 1.4x and 4x the time
@@ -108,6 +122,68 @@ def parquet_options(compression_level: int) -> dict[str, Any]:
     }
 
 
+# --- the typed decoder: vLLM's map-form payloads straight into Structs --------------------------
+# Each Struct takes exactly one of vLLM's event shapes (its keys, in its order, nothing else),
+# and each field exactly what its column holds as it is: msgspec refuses anything else (a bool
+# for an int, a negative or 2**64 hash, a token id beyond 32 bits, an unknown key), and the
+# slice goes the other ways. What msgspec takes but the Structs cannot say (a key missing or
+# repeated, keys in another order, an int ts, a float32, a non-canonical int) is caught by
+# encoding the Structs again: the bytes must be the payloads received.
+_U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop below 2**64
+_U32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+_I32 = Annotated[int, msgspec.Meta(ge=-I31, lt=I31)]
+_I64 = Annotated[int, msgspec.Meta(le=I63 - 1)]  # msgpack ints start at -2**63
+_TS = Annotated[float, msgspec.Meta(ge=TS_RANGE[0], le=TS_RANGE[1])]  # NaN refused too
+
+
+class _Event(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, gc=False):
+    """An event map whose "type" names its Struct; no key the Struct has not."""
+
+
+class _Stored(_Event, tag=BLOCK_STORED):
+    block_hashes: list[_U64]
+    parent_block_hash: _U64 | None
+    token_ids: list[_U32]
+    block_size: _I32
+    lora_id: _I64 | None
+    medium: str | None
+    lora_name: str | None
+
+
+class _Removed(_Event, tag=BLOCK_REMOVED):
+    block_hashes: list[_U64]
+    medium: str | None
+
+
+class _Cleared(_Event, tag=ALL_BLOCKS_CLEARED):
+    pass
+
+
+_TypedEvent = _Stored | _Removed | _Cleared
+
+
+class _Payload2(msgspec.Struct, array_like=True, gc=False):  # vLLM 0.9: no dp_rank
+    ts: _TS
+    events: list[_TypedEvent]
+
+
+class _Payload3(_Payload2, array_like=True):
+    dp_rank: int | None
+
+
+_DECODERS: dict[int, Callable[[bytes], _Payload2]] = {
+    0x93: msgspec.msgpack.Decoder(_Payload3).decode,
+    0x92: msgspec.msgpack.Decoder(_Payload2).decode,
+}
+_ENCODE = msgspec.msgpack.Encoder().encode
+# What each shape puts in the type and fields columns (as the row builder writes them).
+_SHAPES = (_Stored, _Removed, _Cleared)
+_EVENT_TYPE: dict[type, str] = {cls: str(cls.__struct_config__.tag) for cls in _SHAPES}
+_FIELDS: dict[type, str] = {cls: dumps(["type", *cls.__struct_fields__]) for cls in _SHAPES}
+_TYPED_COLUMNS = tuple(_Stored.__struct_fields__)
+_ZMQ3, _ZMQ2 = RECIPES[0], RECIPES[1]  # frames rebuilt from a 3- or 2-element payload
+
+
 class Decoder:
     """Journal record batches -> record batches of the Parquet schema, in order.
 
@@ -132,15 +208,42 @@ class Decoder:
         self.mismatches = 0
 
     def convert(self, rb: pa.RecordBatch) -> pa.RecordBatch:
+        parts = self.convert_parts(rb)
+        if len(parts) == 1:
+            return parts[0]
+        return pa.Table.from_batches(parts, SCHEMA).combine_chunks().to_batches()[0]
+
+    def convert_parts(self, rb: pa.RecordBatch) -> list[pa.RecordBatch]:
+        """:meth:`convert`'s rows in a few record batches (one per slice, not copied into one:
+        the Parquet writer takes them as they are)."""
         if "event_index" in rb.schema.names:  # a format-1 journal: event rows already
-            return rb
-        if rb.num_rows > self.SLICE:  # decoded events are big Python objects: a few at once
-            parts = [
-                self.convert(rb.slice(i, self.SLICE)) for i in range(0, rb.num_rows, self.SLICE)
+            return [rb]
+        # A slice decodes to ~100k Python objects (token ids), freed by refcounting when it is
+        # done and in no reference cycle: the cyclic GC, which would scan them again and again
+        # while they live (10 % of the time), waits until the record batch is converted.
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            if rb.num_rows <= self.SLICE:
+                return [self._convert_slice(rb)]
+            # decoded events are big Python objects: a few at once
+            return [
+                self._convert_slice(rb.slice(i, self.SLICE))
+                for i in range(0, rb.num_rows, self.SLICE)
             ]
-            return pa.Table.from_batches(parts, SCHEMA).combine_chunks().to_batches()[0]
+        finally:
+            if paused:
+                gc.enable()
+
+    def _convert_slice(self, rb: pa.RecordBatch) -> pa.RecordBatch:
         rows = {name: rb.column(name).to_pylist() for name in _JOURNAL_COLUMNS}
         self.label_values.clear()  # bounded by a slice: labels may come from the wire
+        typed = self.typed_items(rows)
+        if typed is not None:
+            batches, recipes, columns = typed
+            first = self.next_index
+            self.next_index += len(batches)
+            return typed_record_batch(batches, first, self.raw_frames, recipes, columns)
         items = self.plain_items(rows)
         if items is not None:
             try:
@@ -161,22 +264,73 @@ class Decoder:
         self.next_index += sum(1 for b in tolerant if type(b) is not Gap)
         return out
 
+    def typed_items(
+        self, rows: dict[str, list[Any]]
+    ) -> tuple[list[Batch], list[str | None] | None, dict[str, list[Any]]] | None:
+        """The typed decoder: when every row is a vLLM map-form batch the Structs above take
+        (and :meth:`plain_items`' conditions hold), its batches (events as Structs, only
+        counted by the row builder), their frames recipes (``raw_frames="auto"``) and their
+        event columns; else ``None``."""
+        frames = rows["frames"]
+        if not self._plain_rows(rows):
+            return None
+        payloads = [f[2] for f in frames]
+        try:
+            objs = [_DECODERS[p[0]](p) for p in payloads]
+        except (KeyError, IndexError, msgspec.MsgspecError):
+            return None
+        # Equal streams, equal payloads (msgpack is self-delimiting): one encode for the slice.
+        n = len(objs)
+        header = _ENCODE([None] * n)[: 1 if n < 16 else 3 if n < 1 << 16 else 5]
+        if _ENCODE(objs) != header + b"".join(payloads):
+            return None
+        try:
+            topics = [f[0].decode() for f in frames]
+        except UnicodeDecodeError:  # a topic no recipe rebuilds: the other ways decide
+            return None
+        events = [o.events for o in objs]
+        if list(map(len, events)) != rows["events"]:  # a cut hides events to check
+            return None
+        payload_dps = [o.dp_rank if isinstance(o, _Payload3) else None for o in objs]
+        batches = self._batches(rows, topics, [o.ts for o in objs], events, payload_dps)
+        evs = list(chain.from_iterable(events))
+        kinds = list(map(type, evs))
+        columns = {
+            name: list(map(getattr, evs, repeat(name), repeat(None))) for name in _TYPED_COLUMNS
+        }
+        columns["type"] = list(map(_EVENT_TYPE.__getitem__, kinds))
+        columns["fields"] = list(map(_FIELDS.__getitem__, kinds))
+        columns["hash_signed"] = [False] * len(evs)
+        recipes = None
+        if self.raw_frames == "auto":  # a label standing in for a null dp_rank is no payload's
+            recipes = [
+                (_ZMQ3 if b.dp_rank == o.dp_rank else None) if isinstance(o, _Payload3) else _ZMQ2
+                for o, b in zip(objs, batches, strict=True)
+            ]
+        return batches, recipes, columns
+
+    def _plain_rows(self, rows: dict[str, list[Any]]) -> bool:
+        """Every row a 3-frame ZMQ message with an 8-byte seq, decoded as it arrived: no
+        filters, no exact row, a plain source string."""
+        frames = rows["frames"]
+        return (
+            self.filters is None
+            and set(map(len, frames)) == {3}
+            and rows["exact"].count(None) == len(frames)
+            and set(map(type, rows["source"])) <= {str}
+            and set(map(len, (f[1] for f in frames))) == {8}
+        )
+
     def plain_items(self, rows: dict[str, list[Any]]) -> list[Batch] | None:
         """The fast decoder: when every row is an engine batch of the common shape (3 frames,
         ``[ts, events, dp_rank]``, every event recorded: no filters, no ``-c`` cut, nothing
         malformed), the batches :func:`~kvctl.formats.decode_zmq` would return, decoded
         column by column without its per-event checks (the rows are built with
         ``typed_only``, which refuses any event those checks could reject); else ``None``."""
-        frames = rows["frames"]
-        if (
-            self.filters is not None
-            or set(map(len, frames)) != {3}
-            or rows["exact"].count(None) != len(frames)
-            or not set(map(type, rows["source"])) <= {str}
-        ):
+        if not self._plain_rows(rows):
             return None
         try:
-            objs = [unpack(f[2]) for f in frames]
+            objs = [unpack(f[2]) for f in rows["frames"]]
         except DecodeError:
             return None
         if set(map(type, objs)) != {list} or not set(map(len, objs)) <= {2, 3}:
@@ -196,25 +350,32 @@ class Decoder:
             or not set(map(type, payload_dps)) <= {int, NoneType}
         ):
             return None
-        seq_frames = [f[1] for f in frames]
-        if set(map(len, seq_frames)) != {8}:
-            return None
+        topics = [f[0].decode("utf-8", "replace") for f in rows["frames"]]
+        return self._batches(rows, topics, list(map(float, stamps)), events, payload_dps)
+
+    def _batches(
+        self,
+        rows: dict[str, list[Any]],
+        topics: list[str],
+        stamps: list[float],
+        events: list[Any],
+        payload_dps: list[Any],
+    ) -> list[Batch]:
+        """The map-form batches of 3-frame journal rows, from their decoded payloads."""
         out = []
-        for source, f, ts, evs, payload_dp, seq, recv_ns, w, dp, recovered in zip(
+        for source, f, topic, ts, evs, payload_dp, recv_ns, w, dp, recovered in zip(
             rows["source"],
-            frames,
+            rows["frames"],
+            topics,
             stamps,
             events,
             payload_dps,
-            seq_frames,
             rows["recv_ns"],
             rows["worker_id"],
             rows["dp_rank"],
             rows["recovered"],
             strict=True,
         ):
-            topic_frame = f[0]
-            topic = topic_frame.decode("utf-8", "replace") if topic_frame else ""
             worker, dp_label = self.label(source, w, dp)
             if worker is None and topic:
                 worker = worker_from_topic(topic)
@@ -224,8 +385,8 @@ class Decoder:
                     evs,
                     MAP_FORM,
                     topic,
-                    int.from_bytes(seq, "big"),
-                    float(ts),
+                    int.from_bytes(f[1], "big"),
+                    ts,
                     recv_ns,
                     worker,
                     dp_label if payload_dp is None else payload_dp,
@@ -323,6 +484,10 @@ class ParquetOutput:
             raise
         self.pending: list[pa.RecordBatch] = []
         self.pending_rows = 0
+        # Row groups are compressed and written on a thread (Arrow lets go of the GIL), while
+        # the next one is decoded: at most one in flight, so two row groups in memory at most.
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="kvctl-parquet")
+        self.in_flight: Future[None] | None = None
 
     def add(self, rb: pa.RecordBatch) -> None:
         if not rb.num_rows:
@@ -334,9 +499,17 @@ class ParquetOutput:
             self._write()
 
     def _write(self) -> None:
+        self._wait()
         if self.pending:
-            self.writer.write_table(pa.Table.from_batches(self.pending, SCHEMA))
+            table = pa.Table.from_batches(self.pending, SCHEMA)
+            self.in_flight = self.background.submit(self.writer.write_table, table)
             self.pending, self.pending_rows = [], 0
+
+    def _wait(self) -> None:
+        """Until the row group in flight is written (its error raised here)."""
+        if self.in_flight is not None:
+            done, self.in_flight = self.in_flight, None
+            done.result()
 
     def finish(
         self, info: dict[str, Any], journal: Path | None, overwrite: bool = False
@@ -346,6 +519,8 @@ class ParquetOutput:
         and the journal stays)."""
         try:
             self._write()
+            self._wait()
+            self.background.shutdown()
             meta = {k: v for k, v in info.items() if k not in _JOURNAL_ONLY}
             meta.update(
                 kvctl_version=__version__,
@@ -372,6 +547,9 @@ class ParquetOutput:
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):
+            self._wait()
+        self.background.shutdown()
+        with contextlib.suppress(Exception):
             self.writer.close()
         self.tmp.unlink(missing_ok=True)
 
@@ -389,7 +567,8 @@ def journal_to_parquet(
     out = ParquetOutput(target, compression_level)
     try:
         for rb in read_journal(journal):
-            out.add(decoder.convert(rb))
+            for part in decoder.convert_parts(rb):
+                out.add(part)
     except BaseException:
         out.abort()
         raise
