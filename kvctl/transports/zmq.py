@@ -40,7 +40,14 @@ class Subscriber:
     # ZMQ bounds a queue in messages, not bytes: the high-water mark is the byte budget over
     # a running estimate of the message size. When the queue is full libzmq stops reading
     # the connection, the engine's PUB queue fills and the PUB drops: a visible seq gap.
-    ASSUMED_MESSAGE_BYTES = 64 * 1024  # until messages are seen: large, to start bounded
+    #
+    # The mark is only ever lowered. Raising the RCVHWM of a connected pipe that is full
+    # stalls it for good: libzmq's reader wakes the stopped writer only each time it has read
+    # a multiple of the new low-water mark, which the messages left in the full pipe never
+    # reach (measured: a pipe full at 1,000 raised to 45,000 delivered those 1,000 and then
+    # nothing while the publisher held 19,000 more; lowering is safe). So the mark starts
+    # from a size above a typical KV-event batch (~1.2 KB) and comes down for larger ones.
+    ASSUMED_MESSAGE_BYTES = 2 * 1024
     MIN_HWM, MAX_HWM = 4, 1_000_000
     ADAPT_EVERY = 1024  # messages between two estimates
     MESSAGE_OVERHEAD = 320  # bytes libzmq adds per queued message: 3 frames of 64 B, allocations
@@ -75,8 +82,8 @@ class Subscriber:
         return min(max(hwm, self.MIN_HWM), self.MAX_HWM)
 
     def received(self, messages: int, size: int) -> None:
-        """Account ``messages`` of ``size`` bytes in all; now and then, fit the high-water mark
-        to the average size (libzmq applies it to the connected pipe at once)."""
+        """Account ``messages`` of ``size`` bytes in all; now and then, lower the high-water
+        mark to fit the average size (libzmq applies it to the connected pipe at once)."""
         self._seen_messages += messages
         self._seen_bytes += size
         if self._seen_messages < self._adapt_at:
@@ -84,7 +91,7 @@ class Subscriber:
         hwm = self._hwm_for(self._seen_bytes / self._seen_messages)
         self._seen_messages = self._seen_bytes = 0
         self._adapt_at = self.ADAPT_EVERY
-        if hwm != self.hwm and not (0.8 < hwm / self.hwm < 1.25):  # no churn on jitter
+        if hwm < 0.8 * self.hwm:  # lower only (see above), and no churn on jitter
             self.hwm = hwm
             with contextlib.suppress(zmq.ZMQError):
                 self.socket.setsockopt(zmq.RCVHWM, hwm)
