@@ -44,7 +44,9 @@ class Record:
         from kvctl.pipeline import LiveSource, SourceSpec
 
         self.endpoint = endpoint
-        self.source = LiveSource([SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES)
+        self.source = LiveSource(
+            [SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES, typed=True
+        )
 
     def consume(self, batches: int) -> tuple[float, int]:
         from kvctl.commands.record import RecordingSink, _labels
@@ -94,7 +96,7 @@ def _recorder(endpoint: str, out: str, total_events: int, report) -> None:
     from kvctl.recording.writer import RecordingWriter
     from kvctl.selection import Limits
 
-    source = LiveSource([SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES)
+    source = LiveSource([SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES, typed=True)
     writer = RecordingWriter(out, labels=_labels([endpoint]))
     writer.converter_ready()
     report.put(("ready", None))

@@ -22,7 +22,9 @@ class Tap:
     def connect(self, endpoint: str) -> None:
         from kvctl.pipeline import LiveSource, SourceSpec
 
-        self.source = LiveSource([SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES)
+        self.source = LiveSource(
+            [SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES, typed=True
+        )
 
     def consume(self, batches: int) -> tuple[float, int]:
         from kvctl.output import JsonLinesSink

@@ -64,11 +64,9 @@ def present_hashes(values: Any, style: str) -> Any:
     return [present_hash(v, style) for v in values]
 
 
-def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") -> list[dict]:
-    """The JSON-line view of events: core fields first (null when absent), then batch context,
-    then every other field the producer sent, under its own name."""
+def _context(batch: Batch) -> dict[str, Any]:
+    """The batch's part of each of its JSON lines."""
     context = {
-        **_TEMPLATE,
         "ts": batch.ts,
         "seq": batch.seq,
         "source": batch.source,
@@ -79,6 +77,13 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
     }
     if batch.recovered:
         context["recovered"] = True
+    return context
+
+
+def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") -> list[dict]:
+    """The JSON-line view of events: core fields first (null when absent), then batch context,
+    then every other field the producer sent, under its own name."""
+    context = {**_TEMPLATE, **_context(batch)}
     rows = []
     for event in events:
         row = {**context, **event}
@@ -97,6 +102,19 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
     return rows
 
 
+def typed_lines(batch: Batch, events: list[Any]) -> bytes | None:
+    """The JSON lines of :class:`~kvctl.formats.engine_zmq.TypedEvent` events with unsigned
+    hashes, as :func:`event_rows` and the encoder write them: each event encodes to the core
+    fields of its line, and the batch context, encoded once, is spliced in before each line's
+    closing brace (JSON text holds no raw newline, so ``}\n`` is only ever a line's end).
+    ``None`` if the context cannot be encoded here (see :func:`_dumps`)."""
+    try:
+        context = _encode(_context(batch))
+    except (TypeError, OverflowError):
+        return None
+    return _encoder.encode_lines(events).replace(b"}\n", b"," + context[1:] + b"\n")
+
+
 class JsonLinesSink:
     """One JSON object per delivered event per line on stdout."""
 
@@ -106,11 +124,20 @@ class JsonLinesSink:
 
     def handle(self, item: Item) -> None:
         if type(item) is Batch:
-            rows = event_rows(item, item.events, self.hash_style)
+            batch, events = item, item.events
         elif type(item) is Narrowed:
-            rows = event_rows(item.batch, item.events, self.hash_style)
+            batch, events = item.batch, item.events
         else:
             return
+        if events and type(events[0]) is not dict:  # TypedEvents: a plain vLLM batch
+            typed_events: list[Any] = events
+            if self.hash_style == "unsigned":  # its hashes are shown as they are
+                lines = typed_lines(batch, typed_events)
+                if lines is not None:
+                    self.stream.write(lines)
+                    return
+            events = [typed_event.event() for typed_event in typed_events]
+        rows = event_rows(batch, events, self.hash_style)
         try:
             self.stream.write(_encoder.encode_lines(rows))
         except (TypeError, OverflowError):
