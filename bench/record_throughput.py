@@ -48,7 +48,7 @@ class Record:
             [SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES, typed=True
         )
 
-    def consume(self, batches: int) -> tuple[float, int]:
+    def consume(self, batches: int) -> tuple[float, float, int]:
         from kvctl.commands.record import RecordingSink, _labels
         from kvctl.pipeline import run
         from kvctl.recording.writer import RecordingWriter
@@ -59,9 +59,10 @@ class Record:
             writer = RecordingWriter(tmp / "run.parquet", labels=_labels([self.endpoint]))
             writer.converter_ready()  # process start-up (imports) is not steady-state ingest
             sink = RecordingSink(writer)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             summary = run(self.source, [sink], Limits(idle_timeout=0.5))
             elapsed = time.perf_counter() - start - 0.5
+            cpu = time.process_time() - cpu
             closing = time.perf_counter()
             result = writer.close()
             CLOSE_TIMES.append(time.perf_counter() - closing)
@@ -70,7 +71,7 @@ class Record:
             shutil.rmtree(tmp)
         self.source.close()
         assert summary.batches == batches == result["batches"], "the recorder lost batches"
-        return elapsed, summary.total_events
+        return elapsed, cpu, summary.total_events
 
 
 # --- --long: memory over a long run -------------------------------------------------------------

@@ -26,20 +26,21 @@ class Tap:
             [SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES, typed=True
         )
 
-    def consume(self, batches: int) -> tuple[float, int]:
+    def consume(self, batches: int) -> tuple[float, float, int]:
         from kvctl.output import JsonLinesSink
         from kvctl.pipeline import run
         from kvctl.selection import Limits
 
         with open("/dev/null", "wb") as devnull:
             sink = JsonLinesSink(devnull)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             summary = run(self.source, [sink], Limits(idle_timeout=0.5))
             elapsed = time.perf_counter() - start - 0.5  # minus the idle wait that ended it
+            cpu = time.process_time() - cpu  # the idle wait: a few polls
             sink.close()
         self.source.close()
         assert summary.batches == batches, f"kvctl saw {summary.batches} of {batches} batches"
-        return elapsed, summary.total_events
+        return elapsed, cpu, summary.total_events
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 _encoder = msgspec.json.Encoder()  # several times faster than json/orjson on these rows
 _encode = _encoder.encode
+_encode_into = _encoder.encode_into
 
 
 def _dumps(row: Any) -> bytes:
@@ -102,17 +103,21 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
     return rows
 
 
-def typed_lines(batch: Batch, events: list[Any]) -> bytes | None:
+def typed_lines(batch: Batch, events: list[Any]) -> bytearray | None:
     """The JSON lines of :class:`~kvctl.formats.engine_zmq.TypedEvent` events with unsigned
     hashes, as :func:`event_rows` and the encoder write them: each event encodes to the core
-    fields of its line, and the batch context, encoded once, is spliced in before each line's
-    closing brace (JSON text holds no raw newline, so ``}\n`` is only ever a line's end).
+    fields of its line, whose closing brace gives way to the batch context, encoded once.
     ``None`` if the context cannot be encoded here (see :func:`_dumps`)."""
     try:
         context = _encode(_context(batch))
     except (TypeError, OverflowError):
         return None
-    return _encoder.encode_lines(events).replace(b"}\n", b"," + context[1:] + b"\n")
+    tail = b"," + context[1:] + b"\n"
+    lines = bytearray()
+    for event in events:
+        _encode_into(event, lines, -1)  # -1: at the end
+        lines[-1:] = tail
+    return lines
 
 
 class JsonLinesSink:
