@@ -215,3 +215,59 @@ def test_what_the_fast_path_leaves_is_decoded_as_before(event):
 
 def test_the_typed_fields_are_the_core_fields_in_their_order():
     assert TypedEvent.__struct_fields__ == CORE_EVENT_FIELDS
+
+
+class _Batches:
+    """A source of ready batches (the pipeline's view of a live source)."""
+
+    def __init__(self, batches: list) -> None:
+        self.items = batches
+
+    def batches(self):
+        yield from self.items
+
+
+@pytest.mark.parametrize(
+    ("types", "workers", "count"),
+    [
+        ((), (), None),
+        (("BlockRemoved",), (), None),
+        (("BlockStored", "AllBlocksCleared"), (), 7),
+        ((), ("pod-1",), 5),
+        ((), ("pod-2",), None),
+        (("BlockRemoved",), ("pod-1",), 1),
+    ],
+)
+def test_filters_counts_and_limits_read_typed_events_as_dicts(types, workers, count):
+    from kvctl.pipeline import run
+    from kvctl.selection import Filters, Limits
+
+    rng = random.Random(7)
+    frames = []
+    for seq in range(40):
+        evs = [
+            rng.choice(
+                [
+                    {"type": "BlockStored", "block_hashes": [seq], "token_ids": [1, 2]},
+                    {"type": "BlockRemoved", "block_hashes": [seq], "medium": "GPU"},
+                    {"type": "AllBlocksCleared"},
+                ]
+            )
+            for _ in range(rng.randint(0, 3))
+        ]
+        topic = b"kv@pod-1@m" if seq % 3 else b"kv@pod-2@m"
+        frames.append([topic, seq.to_bytes(8, "big"), encode_payload(evs, 1.0 + seq, 0)])
+
+    def tapped(typed: bool) -> tuple[bytes, dict]:
+        out = io.BytesIO()
+        batches = [decode_zmq(f, "src", 1, None, None, typed) for f in frames]
+        summary = run(
+            _Batches(batches),
+            [JsonLinesSink(out)],
+            Limits(count=count),
+            Filters(frozenset(types), frozenset(workers)),
+        )
+        return out.getvalue(), summary.to_json() | {"elapsed_s": 0}
+
+    fast, plain = tapped(True), tapped(False)
+    assert fast == plain and fast[0]
