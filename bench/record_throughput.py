@@ -1,6 +1,6 @@
 """record throughput with zero loss vs the bare-Python limit, in the same run; disk ratio; RSS.
 
-The recorder runs record's code path (LiveSource -> decode -> RecordingSink ->
+The recorder runs record's code path (LiveSource opened typed -> decode -> RecordingSink ->
 RecordingWriter raw journal, converter subprocess following it) on a pre-queued stream of
 realistic vLLM batches; its rate counts the ingest (every batch taken off the socket and
 journalled). Timing starts once the converter process is up (its start-up imports are not

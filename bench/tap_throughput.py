@@ -2,8 +2,9 @@
 
 Both consumers drain the same pre-queued stream of realistic vLLM batches from a real ZMQ PUB
 in another process: the bare loop does ``recv_multipart`` + ``msgpack.unpackb`` and nothing
-else; kvctl runs tap's code path (LiveSource -> decode -> seq tracking -> filters/limits ->
-JsonLinesSink writing every event as a JSON line to /dev/null).
+else; kvctl runs tap's code path (LiveSource opened typed, as ``tap --json`` opens it ->
+decode -> seq tracking -> filters/limits -> JsonLinesSink writing every event as a JSON line to
+/dev/null). Rates are given per wall second and per CPU second of the consumer's process.
 
     python bench/tap_throughput.py [--batches 50000] [--rounds 5]
 """
