@@ -33,7 +33,7 @@ class Tap:
         from kvctl.selection import Limits
 
         with open("/dev/null", "wb") as devnull:
-            sink = JsonLinesSink(devnull)
+            sink = JsonLinesSink(devnull, chunk_bytes=JsonLinesSink.CHUNK_BYTES)  # as tap's
             start, cpu = time.perf_counter(), time.process_time()
             summary = run(self.source, [sink], Limits(idle_timeout=0.5))
             elapsed = time.perf_counter() - start - 0.5  # minus the idle wait that ended it

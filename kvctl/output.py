@@ -14,7 +14,7 @@ import click
 import msgspec
 
 from .events import CORE_EVENT_FIELDS, Batch, Event, present_hash
-from .pipeline import Gap, Item, Malformed, Narrowed, SequenceIrregularity
+from .pipeline import Gap, Idle, Item, Malformed, Narrowed, SequenceIrregularity
 from .redact import redact_url
 from .sequence import REORDER
 from .text import plural
@@ -103,29 +103,45 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
     return rows
 
 
-def typed_lines(batch: Batch, events: list[Any]) -> bytearray | None:
-    """The JSON lines of :class:`~kvctl.formats.engine_zmq.TypedEvent` events with unsigned
-    hashes, as :func:`event_rows` and the encoder write them: each event encodes to the core
-    fields of its line, whose closing brace gives way to the batch context, encoded once.
-    ``None`` if the context cannot be encoded here (see :func:`_dumps`)."""
+def typed_lines(batch: Batch, events: list[Any], lines: bytearray) -> bool:
+    """Append to ``lines`` the JSON lines of :class:`~kvctl.formats.engine_zmq.TypedEvent`
+    events with unsigned hashes, as :func:`event_rows` and the encoder write them: each event
+    encodes to the core fields of its line, whose closing brace gives way to the batch context,
+    encoded once. False (nothing appended) if the context cannot be encoded here (see
+    :func:`_dumps`)."""
     try:
         context = _encode(_context(batch))
     except (TypeError, OverflowError):
-        return None
+        return False
     tail = b"," + context[1:] + b"\n"
-    lines = bytearray()
     for event in events:
         _encode_into(event, lines, -1)  # -1: at the end
         lines[-1:] = tail
-    return lines
+    return True
 
 
 class JsonLinesSink:
-    """One JSON object per delivered event per line on stdout."""
+    """One JSON object per delivered event per line on stdout.
 
-    def __init__(self, stream: IO[bytes] | None = None, hash_style: str = "unsigned") -> None:
+    ``chunk_bytes``: lines are held back until that many bytes are ready (tap writes
+    :attr:`CHUNK_BYTES` at a time while events keep coming: one write instead of dozens), and
+    written whenever the input pauses (the pipeline's :class:`~kvctl.pipeline.Idle`) or ends;
+    0: each batch's lines at once."""
+
+    CHUNK_BYTES = 64 * 1024
+
+    def __init__(
+        self, stream: IO[bytes] | None = None, hash_style: str = "unsigned", chunk_bytes: int = 0
+    ) -> None:
         self.stream = stream or sys.stdout.buffer
         self.hash_style = hash_style
+        self.chunk_bytes = chunk_bytes
+        self.pending = bytearray()
+
+    def _write(self) -> None:
+        if self.pending:
+            pending, self.pending = self.pending, bytearray()
+            self.stream.write(pending)
 
     def handle(self, item: Item) -> None:
         if type(item) is Batch:
@@ -133,22 +149,28 @@ class JsonLinesSink:
         elif type(item) is Narrowed:
             batch, events = item.batch, item.events
         else:
+            if type(item) is Idle:
+                self._write()
             return
+        self._add(batch, events)
+        if len(self.pending) >= self.chunk_bytes:
+            self._write()
+
+    def _add(self, batch: Batch, events: list[Event]) -> None:
         if events and type(events[0]) is not dict:  # TypedEvents: a plain vLLM batch
             typed_events: list[Any] = events
-            if self.hash_style == "unsigned":  # its hashes are shown as they are
-                lines = typed_lines(batch, typed_events)
-                if lines is not None:
-                    self.stream.write(lines)
-                    return
+            # unsigned: its hashes are shown as they are
+            if self.hash_style == "unsigned" and typed_lines(batch, typed_events, self.pending):
+                return
             events = [typed_event.event() for typed_event in typed_events]
         rows = event_rows(batch, events, self.hash_style)
         try:
-            self.stream.write(_encoder.encode_lines(rows))
+            self.pending += _encoder.encode_lines(rows)
         except (TypeError, OverflowError):
-            self.stream.write(b"".join(_dumps(row) + b"\n" for row in rows))
+            self.pending += b"".join(_dumps(row) + b"\n" for row in rows)
 
     def close(self) -> None:
+        self._write()
         self.stream.flush()
 
 
@@ -336,7 +358,7 @@ class Output:
     def events_sink(self) -> JsonLinesSink | PrettySink:
         """Where delivered events go: JSON lines, or readable batches."""
         if self.as_json:
-            return JsonLinesSink(hash_style=self.hash_style)
+            return JsonLinesSink(hash_style=self.hash_style, chunk_bytes=JsonLinesSink.CHUNK_BYTES)
         return PrettySink(_events_console(), hash_style=self.hash_style)
 
     def json(self, obj: Any) -> None:

@@ -170,7 +170,15 @@ class SequenceIrregularity:
     got: int
 
 
-Item = Batch | Narrowed | Emptied | Malformed | Gap | SequenceIrregularity
+@dataclass(slots=True)
+class Idle:
+    """Nothing arrived for a poll interval (a live source, ~0.1 s): a consumer that holds
+    output back to write it in large pieces writes it now."""
+
+
+IDLE = Idle()
+
+Item = Batch | Narrowed | Emptied | Malformed | Gap | SequenceIrregularity | Idle
 """What the pipeline hands its consumers, in stream order. A :class:`Batch` or a
 :class:`Narrowed` is a delivered batch; every batch received is exactly one of Batch,
 Narrowed, Emptied or Malformed."""
@@ -570,6 +578,7 @@ def _run(
     for batch in source.batches():
         now = time.monotonic()
         if batch is None:
+            hand_over(IDLE)
             if deadline is not None and now >= deadline:
                 summary.stopped_by = "--duration"
                 break

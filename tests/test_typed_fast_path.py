@@ -271,3 +271,32 @@ def test_filters_counts_and_limits_read_typed_events_as_dicts(types, workers, co
 
     fast, plain = tapped(True), tapped(False)
     assert fast == plain and fast[0]
+
+
+def test_tap_lines_are_held_back_until_a_chunk_is_full_or_the_input_pauses():
+    from kvctl.pipeline import IDLE, run
+    from kvctl.selection import Limits
+
+    frames = [
+        [b"", seq.to_bytes(8, "big"), encode_payload([{"type": "AllBlocksCleared"}], 1.0, 0)]
+        for seq in range(3)
+    ]
+    batches = [decode_zmq(f, "src", 1, typed=True) for f in frames]
+    out = io.BytesIO()
+    sink = JsonLinesSink(out, chunk_bytes=JsonLinesSink.CHUNK_BYTES)
+    sink.handle(batches[0])
+    assert out.getvalue() == b""
+    sink.handle(IDLE)  # the input paused: what is ready is written
+    assert out.getvalue() == json_of(batches[0])
+    sink.handle(batches[1])
+    sink.close()
+    assert out.getvalue() == json_of(batches[0]) + json_of(batches[1])
+
+    seen = []
+
+    class Recorder:
+        def handle(self, item):
+            seen.append(type(item).__name__)
+
+    run(_Batches([batches[0], None, batches[1]]), [Recorder()], Limits())
+    assert seen == ["Batch", "Idle", "Batch"]  # the pipeline says when its source idles
