@@ -94,8 +94,10 @@ def stream(
         out.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
         run(source, [sink, out], limits, selection, strict=strict, summary=summary)
     finally:
-        sink.close()
-        source.close()
+        try:
+            sink.close()  # writes what it held back: a closed pipe raises here
+        finally:
+            source.close()
     on_interrupt(None)
     out.say("kvctl: " + summary.line(), "dim")
     return summary
