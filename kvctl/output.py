@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import sys
+import time
 from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any
 
@@ -124,11 +125,14 @@ class JsonLinesSink:
     """One JSON object per delivered event per line on stdout.
 
     ``chunk_bytes``: lines are held back until that many bytes are ready (tap writes
-    :attr:`CHUNK_BYTES` at a time while events keep coming: one write instead of dozens), and
-    written whenever the input pauses (the pipeline's :class:`~kvctl.pipeline.Idle`) or ends;
-    0: each batch's lines at once."""
+    :attr:`CHUNK_BYTES` at a time while events keep coming: one write system call where a
+    buffered stdout makes eight), but never longer than :attr:`HOLD_S`, nor past a pause in
+    the input (the pipeline's :class:`~kvctl.pipeline.Idle`) or its end; each such write is
+    flushed, so a slow stream's lines show within ~0.1 s (a buffered stdout holds them until
+    8 KB are ready). 0: each batch's lines are written at once, unflushed."""
 
     CHUNK_BYTES = 64 * 1024
+    HOLD_S = 0.1
 
     def __init__(
         self, stream: IO[bytes] | None = None, hash_style: str = "unsigned", chunk_bytes: int = 0
@@ -137,11 +141,14 @@ class JsonLinesSink:
         self.hash_style = hash_style
         self.chunk_bytes = chunk_bytes
         self.pending = bytearray()
+        self.due = 0.0  # when the oldest held-back line must be written (monotonic)
 
     def _write(self) -> None:
         if self.pending:
             pending, self.pending = self.pending, bytearray()
             self.stream.write(pending)
+            if self.chunk_bytes:
+                self.stream.flush()
 
     def handle(self, item: Item) -> None:
         if type(item) is Batch:
@@ -152,8 +159,10 @@ class JsonLinesSink:
             if type(item) is Idle:
                 self._write()
             return
+        if not self.pending:
+            self.due = time.monotonic() + self.HOLD_S
         self._add(batch, events)
-        if len(self.pending) >= self.chunk_bytes:
+        if len(self.pending) >= self.chunk_bytes or time.monotonic() >= self.due:
             self._write()
 
     def _add(self, batch: Batch, events: list[Event]) -> None:

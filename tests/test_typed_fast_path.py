@@ -273,7 +273,7 @@ def test_filters_counts_and_limits_read_typed_events_as_dicts(types, workers, co
     assert fast == plain and fast[0]
 
 
-def test_tap_lines_are_held_back_until_a_chunk_is_full_or_the_input_pauses():
+def test_tap_lines_are_held_back_until_a_chunk_is_full_the_input_pauses_or_time_is_up():
     from kvctl.pipeline import IDLE, run
     from kvctl.selection import Limits
 
@@ -290,6 +290,13 @@ def test_tap_lines_are_held_back_until_a_chunk_is_full_or_the_input_pauses():
     assert out.getvalue() == json_of(batches[0])
     sink.handle(batches[1])
     sink.close()
+    assert out.getvalue() == json_of(batches[0]) + json_of(batches[1])
+
+    out = io.BytesIO()  # a slow stream that never pauses: held back HOLD_S at most
+    sink = JsonLinesSink(out, chunk_bytes=JsonLinesSink.CHUNK_BYTES)
+    sink.handle(batches[0])
+    sink.due = 0.0  # as when HOLD_S has passed since then
+    sink.handle(batches[1])
     assert out.getvalue() == json_of(batches[0]) + json_of(batches[1])
 
     seen = []
