@@ -155,7 +155,8 @@ def test_fast_path_and_tolerant_decoder_agree(payload, seq, topic):
     tolerant = decode_zmq(frames, "src", 5, None, 2)
     fast = decode_zmq(frames, "src", 5, None, 2, typed=True)
     if not (fast.events and isinstance(fast.events[0], TypedEvent)):
-        assert fast == tolerant  # left to the tolerant decoder: decoded exactly as without
+        # left to the tolerant decoder: decoded exactly as without (repr: NaN != NaN)
+        assert repr(fast) == repr(tolerant)
         return
     assert tolerant.error is None, "the fast path took a batch the tolerant decoder refuses"
     for name in ("ts", "seq", "topic", "worker_id", "dp_rank", "format", "frames", "publisher"):
