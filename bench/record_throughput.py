@@ -1,6 +1,6 @@
 """record throughput with zero loss vs the bare-Python limit, in the same run; disk ratio; RSS.
 
-The recorder runs record's code path (LiveSource -> decode -> RecordingSink ->
+The recorder runs record's code path (LiveSource opened typed -> decode -> RecordingSink ->
 RecordingWriter raw journal, converter subprocess following it) on a pre-queued stream of
 realistic vLLM batches; its rate counts the ingest (every batch taken off the socket and
 journalled). Timing starts once the converter process is up (its start-up imports are not
@@ -44,9 +44,11 @@ class Record:
         from kvctl.pipeline import LiveSource, SourceSpec
 
         self.endpoint = endpoint
-        self.source = LiveSource([SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES)
+        self.source = LiveSource(
+            [SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES, typed=True
+        )
 
-    def consume(self, batches: int) -> tuple[float, int]:
+    def consume(self, batches: int) -> tuple[float, float, int]:
         from kvctl.commands.record import RecordingSink, _labels
         from kvctl.pipeline import run
         from kvctl.recording.writer import RecordingWriter
@@ -57,9 +59,10 @@ class Record:
             writer = RecordingWriter(tmp / "run.parquet", labels=_labels([self.endpoint]))
             writer.converter_ready()  # process start-up (imports) is not steady-state ingest
             sink = RecordingSink(writer)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             summary = run(self.source, [sink], Limits(idle_timeout=0.5))
             elapsed = time.perf_counter() - start - 0.5
+            cpu = time.process_time() - cpu
             closing = time.perf_counter()
             result = writer.close()
             CLOSE_TIMES.append(time.perf_counter() - closing)
@@ -68,7 +71,7 @@ class Record:
             shutil.rmtree(tmp)
         self.source.close()
         assert summary.batches == batches == result["batches"], "the recorder lost batches"
-        return elapsed, summary.total_events
+        return elapsed, cpu, summary.total_events
 
 
 # --- --long: memory over a long run -------------------------------------------------------------
@@ -94,7 +97,7 @@ def _recorder(endpoint: str, out: str, total_events: int, report) -> None:
     from kvctl.recording.writer import RecordingWriter
     from kvctl.selection import Limits
 
-    source = LiveSource([SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES)
+    source = LiveSource([SourceSpec.parse(endpoint)], max_queue=PREQUEUED_QUEUE_BYTES, typed=True)
     writer = RecordingWriter(out, labels=_labels([endpoint]))
     writer.converter_ready()
     report.put(("ready", None))

@@ -80,6 +80,10 @@ class Batch:
 
     source: str
     events: list[Event]
+    """Event dicts; for consumers that asked for them (a live source's ``typed``: tap's JSON
+    lines, the recorder), a plain vLLM batch's events may instead all be
+    :class:`kvctl.formats.engine_zmq.TypedEvent` (``event["type"]`` and ``event.get`` read
+    them alike; ``type(events[0]) is dict`` tells them apart)."""
     format: str
     topic: str = ""
     seq: int | None = None

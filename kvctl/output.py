@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import sys
+import time
 from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ import click
 import msgspec
 
 from .events import CORE_EVENT_FIELDS, Batch, Event, present_hash
-from .pipeline import Gap, Item, Malformed, Narrowed, SequenceIrregularity
+from .pipeline import Gap, Idle, Item, Malformed, Narrowed, SequenceIrregularity
 from .redact import redact_url
 from .sequence import REORDER
 from .text import plural
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 _encoder = msgspec.json.Encoder()  # several times faster than json/orjson on these rows
 _encode = _encoder.encode
+_encode_into = _encoder.encode_into
 
 
 def _dumps(row: Any) -> bytes:
@@ -64,11 +66,9 @@ def present_hashes(values: Any, style: str) -> Any:
     return [present_hash(v, style) for v in values]
 
 
-def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") -> list[dict]:
-    """The JSON-line view of events: core fields first (null when absent), then batch context,
-    then every other field the producer sent, under its own name."""
+def _context(batch: Batch) -> dict[str, Any]:
+    """The batch's part of each of its JSON lines."""
     context = {
-        **_TEMPLATE,
         "ts": batch.ts,
         "seq": batch.seq,
         "source": batch.source,
@@ -79,6 +79,13 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
     }
     if batch.recovered:
         context["recovered"] = True
+    return context
+
+
+def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") -> list[dict]:
+    """The JSON-line view of events: core fields first (null when absent), then batch context,
+    then every other field the producer sent, under its own name."""
+    context = {**_TEMPLATE, **_context(batch)}
     rows = []
     for event in events:
         row = {**context, **event}
@@ -97,26 +104,82 @@ def event_rows(batch: Batch, events: list[Event], hash_style: str = "unsigned") 
     return rows
 
 
-class JsonLinesSink:
-    """One JSON object per delivered event per line on stdout."""
+def typed_lines(batch: Batch, events: list[Any], lines: bytearray) -> bool:
+    """Append to ``lines`` the JSON lines of :class:`~kvctl.formats.engine_zmq.TypedEvent`
+    events with unsigned hashes, as :func:`event_rows` and the encoder write them: each event
+    encodes to the core fields of its line, whose closing brace gives way to the batch context,
+    encoded once. False (nothing appended) if the context cannot be encoded here (see
+    :func:`_dumps`)."""
+    try:
+        context = _encode(_context(batch))
+    except (TypeError, OverflowError):
+        return False
+    tail = b"," + context[1:] + b"\n"
+    for event in events:
+        _encode_into(event, lines, -1)  # -1: at the end
+        lines[-1:] = tail
+    return True
 
-    def __init__(self, stream: IO[bytes] | None = None, hash_style: str = "unsigned") -> None:
+
+class JsonLinesSink:
+    """One JSON object per delivered event per line on stdout.
+
+    ``chunk_bytes``: lines are held back until that many bytes are ready (tap writes
+    :attr:`CHUNK_BYTES` at a time while events keep coming: one write system call where a
+    buffered stdout makes eight), but never longer than :attr:`HOLD_S`, nor past a pause in
+    the input (the pipeline's :class:`~kvctl.pipeline.Idle`) or its end; each such write is
+    flushed, so a slow stream's lines show within ~0.1 s (a buffered stdout holds them until
+    8 KB are ready). 0: each batch's lines are written at once, unflushed."""
+
+    CHUNK_BYTES = 64 * 1024
+    HOLD_S = 0.1
+
+    def __init__(
+        self, stream: IO[bytes] | None = None, hash_style: str = "unsigned", chunk_bytes: int = 0
+    ) -> None:
         self.stream = stream or sys.stdout.buffer
         self.hash_style = hash_style
+        self.chunk_bytes = chunk_bytes
+        self.pending = bytearray()
+        self.due = 0.0  # when the oldest held-back line must be written (monotonic)
+
+    def _write(self) -> None:
+        if self.pending:
+            pending, self.pending = self.pending, bytearray()
+            self.stream.write(pending)
+            if self.chunk_bytes:
+                self.stream.flush()
 
     def handle(self, item: Item) -> None:
         if type(item) is Batch:
-            rows = event_rows(item, item.events, self.hash_style)
+            batch, events = item, item.events
         elif type(item) is Narrowed:
-            rows = event_rows(item.batch, item.events, self.hash_style)
+            batch, events = item.batch, item.events
         else:
+            if type(item) is Idle:
+                self._write()
             return
+        if not self.pending:
+            self.due = time.monotonic() + self.HOLD_S
+        self._add(batch, events)
+        if len(self.pending) >= self.chunk_bytes or time.monotonic() >= self.due:
+            self._write()
+
+    def _add(self, batch: Batch, events: list[Event]) -> None:
+        if events and type(events[0]) is not dict:  # TypedEvents: a plain vLLM batch
+            typed_events: list[Any] = events
+            # unsigned: its hashes are shown as they are
+            if self.hash_style == "unsigned" and typed_lines(batch, typed_events, self.pending):
+                return
+            events = [typed_event.event() for typed_event in typed_events]
+        rows = event_rows(batch, events, self.hash_style)
         try:
-            self.stream.write(_encoder.encode_lines(rows))
+            self.pending += _encoder.encode_lines(rows)
         except (TypeError, OverflowError):
-            self.stream.write(b"".join(_dumps(row) + b"\n" for row in rows))
+            self.pending += b"".join(_dumps(row) + b"\n" for row in rows)
 
     def close(self) -> None:
+        self._write()
         self.stream.flush()
 
 
@@ -304,7 +367,7 @@ class Output:
     def events_sink(self) -> JsonLinesSink | PrettySink:
         """Where delivered events go: JSON lines, or readable batches."""
         if self.as_json:
-            return JsonLinesSink(hash_style=self.hash_style)
+            return JsonLinesSink(hash_style=self.hash_style, chunk_bytes=JsonLinesSink.CHUNK_BYTES)
         return PrettySink(_events_console(), hash_style=self.hash_style)
 
     def json(self, obj: Any) -> None:

@@ -170,7 +170,15 @@ class SequenceIrregularity:
     got: int
 
 
-Item = Batch | Narrowed | Emptied | Malformed | Gap | SequenceIrregularity
+@dataclass(slots=True)
+class Idle:
+    """Nothing arrived for a poll interval (a live source, ~0.1 s): a consumer that holds
+    output back to write it in large pieces writes it now."""
+
+
+IDLE = Idle()
+
+Item = Batch | Narrowed | Emptied | Malformed | Gap | SequenceIrregularity | Idle
 """What the pipeline hands its consumers, in stream order. A :class:`Batch` or a
 :class:`Narrowed` is a delivered batch; every batch received is exactly one of Batch,
 Narrowed, Emptied or Malformed."""
@@ -210,9 +218,12 @@ class LiveSource:
         topic: bytes = b"",
         notify: Notify | None = None,
         max_queue: int | None = None,
+        typed: bool = False,
     ) -> None:
         """``max_queue``: bytes received but not yet processed that may be held in memory,
-        shared evenly by the live sources (``--max-queue``)."""
+        shared evenly by the live sources (``--max-queue``). ``typed``: every consumer reads
+        :class:`~kvctl.formats.engine_zmq.TypedEvent` events as well as event dicts, so plain
+        vLLM batches may take the typed fast path (see :func:`~kvctl.formats.decode_zmq`)."""
         import zmq
 
         from .transports import zmq as zmq_transport
@@ -228,6 +239,7 @@ class LiveSource:
         self.replay_silent_until: dict[str, float] = {}  # endpoint -> monotonic time
         self.replay_warned: set[str] = set()
         self.connect_timeout = connect_timeout or None  # 0 is "wait forever", as before
+        self.typed = typed
         self.notify = notify
         self.opened = time.monotonic()
         self.waiting: dict[Any, str] = {}
@@ -377,6 +389,7 @@ class LiveSource:
 
         poll = self.poller.poll
         time_ns = time.time_ns
+        typed = self.typed
         while True:
             if self.waiting or self.down_since:
                 self._check_waiting()
@@ -389,15 +402,21 @@ class LiveSource:
                 kind, spec = entry
                 if kind == "zmq":
                     address, worker, dp = spec.address, spec.worker_id, spec.dp_rank
-                    recv = sock.recv_multipart
+                    # Frame by frame, reading the more-flag off each frame: recv_multipart
+                    # asks the socket for it, which costs more than the whole receive.
+                    recv = sock.recv
                     sub = self.zmq_by_socket[sock]
                     messages = size = 0
                     sample = sub.sample_due()  # the first message's size is known at once
                     for _ in range(DRAIN_LIMIT):
                         try:
-                            frames = recv(NOBLOCK)
+                            frame = recv(NOBLOCK, copy=False)
                         except Again:
                             break
+                        frames = [frame.bytes]
+                        while frame.more:  # a message arrives whole: its other frames are here
+                            frame = recv(NOBLOCK, copy=False)
+                            frames.append(frame.bytes)
                         if not produced and self.waiting:  # data before the monitor's word
                             self._zmq_event(sub, data=True)
                         produced = True
@@ -407,7 +426,7 @@ class LiveSource:
                             sub.received(messages, size)
                             messages = size = 0
                             sample = sub.sample_due()
-                        yield decode_zmq(frames, address, time_ns(), worker, dp)
+                        yield decode_zmq(frames, address, time_ns(), worker, dp, typed)
                     if messages:
                         sub.received(messages, size)
                     continue
@@ -559,6 +578,7 @@ def _run(
     for batch in source.batches():
         now = time.monotonic()
         if batch is None:
+            hand_over(IDLE)
             if deadline is not None and now >= deadline:
                 summary.stopped_by = "--duration"
                 break
@@ -608,8 +628,13 @@ def _run(
                 if len(events) > remaining:
                     events = events[:remaining]
                 remaining -= len(events)
-            for event in events:
-                counts[event["type"]] += 1
+            if type(events[0]) is dict:
+                for event in events:
+                    counts[event["type"]] += 1
+            else:  # TypedEvents (see LiveSource's typed) carry their type as a class attribute
+                typed_events: list[Any] = events
+                for typed_event in typed_events:
+                    counts[typed_event.TYPE] += 1
             delivered = item if events is item.events else Narrowed(item, events)
             for handle in handlers:
                 handle(delivered)

@@ -48,9 +48,10 @@ def interrupted(summary: Summary) -> str:
     return summary.line()
 
 
-def open_source(sources: Sources, out: Output) -> Any:
+def open_source(sources: Sources, out: Output, typed: bool = False) -> Any:
     """Recordings, or live sources (returned at once: a missing engine or NATS server is
-    waited for while the pipeline runs, with notices on stderr unless quiet)."""
+    waited for while the pipeline runs, with notices on stderr unless quiet). ``typed``: the
+    consumers read typed events too (see :class:`~kvctl.pipeline.LiveSource`)."""
     specs = [SourceSpec.parse(s) for s in sources.addresses]
     files = [s for s in specs if s.kind == "file"]
     if files and len(files) != len(specs):
@@ -60,7 +61,7 @@ def open_source(sources: Sources, out: Output) -> Any:
     notify = None if out.quiet else out.say
     c = sources.connection
     if c is None:  # a command without source options: the defaults
-        return LiveSource(specs, notify=notify)
+        return LiveSource(specs, notify=notify, typed=typed)
     return LiveSource(
         specs,
         nats_options=c.nats,
@@ -71,6 +72,7 @@ def open_source(sources: Sources, out: Output) -> Any:
         topic=c.topic,
         notify=notify,
         max_queue=c.max_queue,
+        typed=typed,
     )
 
 
@@ -83,7 +85,8 @@ def stream(
 ) -> Summary:
     """tap/cat: print events from SOURCEs until a stop condition, then the summary."""
     sink = out.events_sink()
-    source = open_source(sources, out)
+    # JSON lines (and the diagnostics) read typed events; the readable view reads dicts
+    source = open_source(sources, out, typed=out.as_json)
     summary = Summary()
     # a signal right after the "reading" line still gets the summary
     on_interrupt(lambda: interrupted(summary), out.quiet)
@@ -91,8 +94,10 @@ def stream(
         out.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
         run(source, [sink, out], limits, selection, strict=strict, summary=summary)
     finally:
-        sink.close()
-        source.close()
+        try:
+            sink.close()  # writes what it held back: a closed pipe raises here
+        finally:
+            source.close()
     on_interrupt(None)
     out.say("kvctl: " + summary.line(), "dim")
     return summary

@@ -116,7 +116,9 @@ def command(
     if conflict is not None:  # before any source is opened: nothing of the user's is touched
         raise UsageError(conflict)
     _check_writable(params["output"])
-    source = open_source(sources, out)
+    # the recorder journals live messages raw (it counts their events, the converter decodes
+    # them again): typed events will do
+    source = open_source(sources, out, typed=True)
     try:
         writer = RecordingWriter(
             params["output"],

@@ -175,6 +175,7 @@ _NATS_EXPECTED = _nats_expected()
 # The engine codec's 3-frame batch is what nearly every message is: decode_zmq decodes it
 # inline, with these bound once, and asks the registry only about any other message.
 _decode_engine_payload = engine_zmq.decode_payload
+_decode_typed = engine_zmq.decode_typed
 _parse_seq = engine_zmq.parse_seq
 _worker_from_topic = engine_zmq.worker_from_topic
 
@@ -185,13 +186,20 @@ def decode_zmq(
     recv_ns: int = 0,
     worker_id: object = None,
     dp_rank: int | None = None,
+    typed: bool = False,
 ) -> Batch:
     """Decode a ZMQ message: the codec that claims its frame count decodes it (an engine batch:
-    3 frames, a Dynamo event-plane message: 4)."""
+    3 frames, a Dynamo event-plane message: 4).
+
+    ``typed``: the caller's consumers read :class:`~.engine_zmq.TypedEvent` events as well as
+    event dicts (tap's JSON lines, the recorder's raw journal): a plain vLLM batch then takes
+    the typed fast path (:func:`~.engine_zmq.decode_typed`), everything else is decoded as
+    without it."""
     if len(frames) == 3:  # the hot path: a well-formed engine batch, built in one go
         topic_frame, seq_frame, payload = frames
         try:
-            ts, events, payload_dp, shape = _decode_engine_payload(payload)
+            decoded = _decode_typed(payload) if typed else None
+            ts, events, payload_dp, shape = decoded or _decode_engine_payload(payload)
             seq = _parse_seq(seq_frame)
         except DecodeError:
             pass  # the slow path below builds the error batch

@@ -13,13 +13,14 @@ registry (:mod:`kvctl.formats`): the ``--format`` names ``vllm``, ``vllm-array``
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import msgpack
 import msgspec
 
 from ..errors import DecodeError
 from ..events import (
+    ALL_BLOCKS_CLEARED,
     BLOCK_REMOVED,
     BLOCK_STORED,
     MAX_DEPTH,
@@ -91,6 +92,97 @@ def unpack(payload: bytes) -> Any:
 def decode_payload(payload: bytes) -> tuple[float | None, list[Event], int | None, str]:
     """Decode one batch payload into ``(ts, events, dp_rank, shape)``."""
     return decode_batch_object(unpack(payload))
+
+
+# --- the typed fast path ------------------------------------------------------------------------
+# Most batches are vLLM's map form: events with vLLM's keys only, plain int token ids and hashes
+# that need no conversion to be shown. msgspec decodes such a batch straight into the Structs
+# below, checking every field's type in C while it decodes, and a Struct encodes to JSON as the
+# core of tap's line (the fields in its order, null where the event has none): no event dict, no
+# Python pass over the fields. The Structs accept a subset of what the tolerant decoder accepts
+# (no unknown key, nothing nested, hashes non-negative ints, token ids ints, ts a float in
+# TS_RANGE), so a batch they take is one the tolerant decoder reads into the same events;
+# anything else (another producer's shapes, a malformed message) is left to the tolerant
+# decoder, which decides as it always has. Only consumers that say they can read them (tap's
+# JSON lines, the recorder's raw journal) are handed these events: see ``typed`` in
+# :func:`kvctl.formats.decode_zmq`.
+
+_Hash = Annotated[int, msgspec.Meta(ge=0)]
+"""A hash shown as sent (an unsigned 64-bit int); signed or bytes hashes take the tolerant
+path, where they are converted for display."""
+
+
+class TypedEvent(
+    msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=False, gc=False
+):
+    """An event of the typed fast path: the fields of :data:`~kvctl.events.CORE_EVENT_FIELDS`
+    in their order, ``None`` when the event has no such field (tap shows null either way).
+    Reads like an event dict where the pipeline and the filters read one (``event["type"]``,
+    ``event.get(...)``); :meth:`event` gives the dict itself."""
+
+    TYPE: ClassVar[str]
+    block_hashes: list[_Hash] | None = None
+    parent_block_hash: _Hash | None = None
+    token_ids: list[int] | None = None
+    block_size: int | None = None
+    lora_id: int | None = None
+    lora_name: str | None = None
+    medium: str | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        return self.TYPE if key == "type" else getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.TYPE if key == "type" else getattr(self, key, default)
+
+    def event(self) -> Event:
+        """The event as a dict with every core field (the absent ones null): what tap shows."""
+        event: Event = {"type": self.TYPE}
+        for name in self.__struct_fields__:
+            event[name] = getattr(self, name)
+        return event
+
+
+class _Stored(TypedEvent, tag=BLOCK_STORED):
+    TYPE = BLOCK_STORED
+
+
+class _Removed(TypedEvent, tag=BLOCK_REMOVED):
+    TYPE = BLOCK_REMOVED
+
+
+class _Cleared(TypedEvent, tag=ALL_BLOCKS_CLEARED):
+    TYPE = ALL_BLOCKS_CLEARED
+
+
+class _TypedBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    ts: float
+    events: list[_Stored | _Removed | _Cleared]
+    dp_rank: int | None = None
+
+
+_decode_typed = msgspec.msgpack.Decoder(_TypedBatch).decode
+_MAP_HEADERS = frozenset({*range(0x80, 0x90), 0xDE})
+
+
+def decode_typed(payload: bytes) -> tuple[float, list[Any], int | None, str] | None:
+    """``(ts, events, dp_rank, shape)`` of a map-form batch the typed fast path takes (events
+    are :class:`TypedEvent`), or ``None``: decode it with :func:`decode_payload`."""
+    # [ts (float 64), [event, ...], dp]: is the first event a map? (else: not worth a try)
+    if len(payload) < 14 or payload[0] != 0x93 or payload[1] != 0xCB:
+        return None
+    header = payload[10]
+    first = payload[11] if 0x91 <= header <= 0x9F else payload[13] if header == 0xDC else None
+    if first not in _MAP_HEADERS:
+        return None
+    try:
+        batch = _decode_typed(payload)
+    except (msgspec.DecodeError, RecursionError):  # ValidationError included
+        return None
+    ts = batch.ts
+    if not _TS_MIN <= ts <= _TS_MAX:  # also false for NaN
+        return None
+    return ts, batch.events, batch.dp_rank, MAP_FORM
 
 
 def decode_frames(batch: Batch, frames: list[bytes]) -> None:
