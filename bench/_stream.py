@@ -77,10 +77,9 @@ def publisher(endpoint: str, payloads: list[bytes], ready, go, done) -> None:
 
 
 PREQUEUED_QUEUE_BYTES = 4_000_000_000
-"""``--max-queue`` for kvctl consumers of a pre-queued stream. kvctl sizes its ZMQ queue for
-64 KB messages until it has read one (64M: ~1,000 messages), and the whole stream is queued
-before the first read here; the bare loop's queue is unbounded too, so both drain the same
-stream. Live traffic is read as it arrives, so the estimate is right from the first message."""
+"""``--max-queue`` for kvctl consumers of a pre-queued stream: the whole stream is queued
+before the first read here (the default 64M holds ~27,000 messages of the assumed 2 KB), and
+the bare loop's queue is unbounded too, so both drain the same stream."""
 
 
 class Bare:

@@ -55,14 +55,8 @@ def publish(endpoint: str, rate: float, seconds: float, ready, done) -> None:
     sock.bind(endpoint)
     ready.set()
     sock.recv()  # the recorder's subscription
-    # One message, then a pause: kvctl sizes its receive queue from the first message it
-    # reads (64 KB assumed before, ~1,000 messages). A stream at full rate from the first
-    # microsecond has been seen to stall it after ~970 messages, and this benchmark measures
-    # the conversion.
-    sock.send_multipart([b"kv@bench@model", (0).to_bytes(8, "big"), pool[0]])
-    time.sleep(0.5)
     total = int(rate * seconds)
-    sent, seq = sizes[0], 1
+    sent, seq = 0, 0
     start = time.perf_counter()
     while sent < total:
         i = seq % len(pool)
