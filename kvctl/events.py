@@ -55,6 +55,8 @@ CORE_EVENT_FIELDS = (
 U64_MASK = (1 << 64) - 1
 _I63 = 1 << 63
 _U64_LIMIT = 1 << 64
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV block where a stream does not say (vLLM's default)."""
 
 MAX_DEPTH = 64
 """How deep containers may nest in one batch, counted from the batch ``[ts, events, dp_rank]``

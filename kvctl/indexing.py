@@ -1,19 +1,14 @@
-"""The router's index as kvctl builds and serves it: ``--until`` (which batches an index as it
-stood at a moment is built from), ``/dump`` snapshots, building a :class:`RouterIndex` from
-SOURCEs, and the HTTP server with Dynamo 1.6's standalone-indexer endpoints. Shared by
+"""The router's index as kvctl keeps and serves it: ``/dump`` snapshots, and the HTTP server
+with Dynamo 1.6's standalone-indexer endpoints. Shared by
 ``kvctl index`` (which serves it) and ``kvctl query`` (which asks it directly)."""
 
 from __future__ import annotations
 
 import json
-import math
 import threading
-from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import click
 
 from .errors import KvctlError
 from .state import RouterIndex
@@ -21,52 +16,9 @@ from .state import RouterIndex
 if TYPE_CHECKING:
     from .events import Batch
 
-DEFAULT_BLOCK_SIZE = 16
-"""Tokens per block of an index built from SOURCEs (vLLM's default block size)."""
 U32_LIMIT = 1 << 32
 QUERY_BODY_LIMIT = 8 * 1024 * 1024
 """Dynamo's ``/query`` body limit (a million tokens as JSON text)."""
-
-
-# --- --until ----------------------------------------------------------------------------------
-
-
-def parse_until(text: str) -> tuple[str, float]:
-    """``seq:N`` -> ("seq", N); ISO-8601 or unix seconds -> ("time", unix seconds)."""
-    if text.startswith("seq:"):
-        try:
-            return "seq", int(text[4:])
-        except ValueError:
-            raise click.BadParameter(f"{text!r}: seq:N needs an integer N") from None
-    try:
-        seconds = float(text)
-    except ValueError:
-        pass
-    else:
-        if not math.isfinite(seconds):
-            raise click.BadParameter(f"{text!r} is not a time")
-        return "time", seconds
-    try:
-        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise click.BadParameter(
-            f"{text!r} is neither seq:N, unix seconds nor an ISO-8601 time"
-        ) from None
-    if moment.tzinfo is None:
-        moment = moment.astimezone()  # a time without a zone is local time, as people mean it
-    return "time", moment.timestamp()
-
-
-def until_keeps(until: tuple[str, float] | None, batch: Batch) -> bool:
-    """The batches an index ``--until`` is built from: received at or before the time, or
-    numbered at most N by their own publisher (a batch without a seq cannot be placed, and is
-    kept)."""
-    if until is None:
-        return True
-    kind, limit = until
-    if kind == "seq":
-        return batch.seq is None or batch.seq <= limit
-    return batch.recv_ns / 1e9 <= limit if batch.recv_ns else True
 
 
 # --- snapshots --------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import click
 
 from .events import EVENT_TYPES, HASH_STYLES
 from .help import ARRAY_LAYOUTS, DEFAULT_ARRAY_LAYOUT, NATS_FORMATS, ZMQ_FORMATS
-from .selection import Filters, Limits
+from .selection import Filters, Limits, Until
 
 if TYPE_CHECKING:
     from .output import Output
@@ -443,3 +443,22 @@ def reporting(quiet_help: str, json_option: F = json_report_option) -> Callable[
 
 
 report_options = reporting("No progress, diagnostics or report on stderr.")
+
+
+def _until(ctx: click.Context, param: click.Parameter, value: str | None) -> Until | None:
+    if value is None:
+        return None
+    try:
+        return Until.parse(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+until_option = click.option(
+    "--until",
+    metavar="TIME|seq:N",
+    callback=_until,
+    help="Recordings: the index as it stood then: batches received at or before TIME "
+    "(ISO-8601 or unix seconds), or numbered at most N by their own publisher.",
+)
+"""``--until`` of the commands that build a router's index (index, query)."""

@@ -6,7 +6,9 @@ recorder's filters again when it re-decodes journalled frames), so neither impor
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from datetime import datetime
 
 from .events import Batch, Event
 
@@ -30,3 +32,46 @@ class Filters:
         if self.workers and str(batch.worker_id) not in self.workers:
             events = [e for e in events if str(e.get("worker_id", batch.worker_id)) in self.workers]
         return events
+
+
+@dataclass(frozen=True)
+class Until:
+    """``--until``: the batches an index as it stood at a moment is built from: received at or
+    before a time (unix seconds), or numbered at most N by their own publisher."""
+
+    kind: str
+    """``time`` or ``seq``."""
+    limit: float
+
+    @classmethod
+    def parse(cls, text: str) -> Until:
+        """``seq:N``, unix seconds or an ISO-8601 time (local time without a zone, as people
+        mean it); ValueError says what is wrong."""
+        if text.startswith("seq:"):
+            try:
+                return cls("seq", int(text[4:]))
+            except ValueError:
+                raise ValueError(f"{text!r}: seq:N needs an integer N") from None
+        try:
+            seconds = float(text)
+        except ValueError:
+            pass
+        else:
+            if not math.isfinite(seconds):
+                raise ValueError(f"{text!r} is not a time")
+            return cls("time", seconds)
+        try:
+            moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise ValueError(
+                f"{text!r} is neither seq:N, unix seconds nor an ISO-8601 time"
+            ) from None
+        if moment.tzinfo is None:
+            moment = moment.astimezone()
+        return cls("time", moment.timestamp())
+
+    def keeps(self, batch: Batch) -> bool:
+        """A batch without a seq (or a receive time) cannot be placed, and is kept."""
+        if self.kind == "seq":
+            return batch.seq is None or batch.seq <= self.limit
+        return batch.recv_ns / 1e9 <= self.limit if batch.recv_ns else True

@@ -211,7 +211,7 @@ def test_dump_matches_dynamos_and_rebuilds_the_index(tmp_path):
     ] == [(1, 0, None, [101, 102, 103]), (1, 1, None, [101, 102])]
     snapshot = tmp_path / "snap.json"
     snapshot.write_text(json.dumps(ix.dump()))
-    from kvctl.commands.index import load_snapshot
+    from kvctl.indexing import load_snapshot
 
     again = load_snapshot(snapshot)
     assert again.dump() == ix.dump()

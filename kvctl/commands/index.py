@@ -9,27 +9,24 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..errors import UsageError
+from ..events import DEFAULT_BLOCK_SIZE
 from ..help import KvctlCommand
-from ..indexing import (
-    DEFAULT_BLOCK_SIZE,
-    Served,
-    is_snapshot,
-    load_snapshot,
-    parse_until,
-    source_kind,
-    start_server,
-    until_keeps,
-    write_snapshot,
+from ..options import (
+    Sources,
+    filter_options,
+    limit_options,
+    reporting,
+    source_arguments,
+    until_option,
 )
-from ..options import Sources, filter_options, limit_options, reporting, source_arguments
 from ..redact import shown_sources
-from ..selection import Filters, Limits
-from ..state import RouterIndex
+from ..selection import Filters, Limits, Until
 
 if TYPE_CHECKING:
     from ..events import Batch
     from ..output import Output
     from ..pipeline import Summary
+    from ..state import RouterIndex
 
 
 @click.command("index", cls=KvctlCommand)
@@ -63,13 +60,7 @@ if TYPE_CHECKING:
     show_default=True,
     help="Model name /query answers for (Dynamo's --model-name).",
 )
-@click.option(
-    "--until",
-    metavar="TIME|seq:N",
-    callback=lambda ctx, param, value: parse_until(value) if value else None,
-    help="Recordings: the index as it stood then: batches received at or before TIME "
-    "(ISO-8601 or unix seconds), or numbered at most N by their own publisher.",
-)
+@until_option
 @click.option(
     "-o",
     "--output",
@@ -104,10 +95,19 @@ def command(
       kvctl index run.parquet --until seq:1200 -o snapshot.json
       kvctl index snapshot.json --port 8091 --json
     """
+    from ..indexing import (
+        Served,
+        is_snapshot,
+        load_snapshot,
+        source_kind,
+        start_server,
+        write_snapshot,
+    )
     from ..pipeline import Summary
     from ..session import on_interrupt, read
+    from ..state import RouterIndex
 
-    until: tuple[str, float] | None = params["until"]
+    until: Until | None = params["until"]
     output: Path | None = params["output"]
     snapshot = is_snapshot(sources.addresses)
     if snapshot:
@@ -134,7 +134,7 @@ def command(
             out.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")
 
             def consume(batch: Batch) -> None:
-                if until_keeps(until, batch):
+                if until is None or until.keeps(batch):
                     served.apply(batch)
 
             on_interrupt(lambda: _closing(summary), out.quiet)

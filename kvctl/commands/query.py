@@ -10,16 +10,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..errors import KvctlError, TransportError, UsageError
+from ..events import DEFAULT_BLOCK_SIZE
 from ..help import KvctlCommand
-from ..indexing import (
-    DEFAULT_BLOCK_SIZE,
-    is_snapshot,
-    load_snapshot,
-    parse_until,
-    source_kind,
-    until_keeps,
-)
-from ..options import limit_options, reporting
+from ..options import limit_options, reporting, until_option
 from ..redact import redact_url
 from ..routing import (
     POLICIES,
@@ -35,15 +28,15 @@ from ..routing import (
     worker_order,
 )
 from ..routing import explain as explain_prompt
-from ..state import DISK, EXTERNAL, HOST, RouterIndex
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from ..events import Batch
     from ..output import Output
-    from ..selection import Limits
+    from ..selection import Limits, Until
     from ..state import Overlap as IndexOverlap
+    from ..state import RouterIndex
 
 _DYNAMO = DynamoKnobs()
 _LLMD = LlmdKnobs()
@@ -71,13 +64,7 @@ def _knob(flag: str, default: float, help_text: str) -> Any:
     help="A running prefix index: Dynamo's standalone indexer (python -m dynamo.indexer) or "
     "kvctl index, e.g. http://127.0.0.1:8090. Instead of SOURCEs.",
 )
-@click.option(
-    "--until",
-    metavar="TIME|seq:N",
-    callback=lambda ctx, param, value: parse_until(value) if value else None,
-    help="Recordings: ask the index as it stood then: batches received at or before TIME "
-    "(ISO-8601 or unix seconds), or numbered at most N by their own publisher.",
-)
+@until_option
 @limit_options
 @click.option("--tokens", metavar="IDS", help="The prompt's token ids: 1,2,3 (or 1 2 3).")
 @click.option(
@@ -209,7 +196,7 @@ def _knob(flag: str, default: float, help_text: str) -> Any:
 def command(
     sources: tuple[str, ...],
     index: str | None,
-    until: tuple[str, float] | None,
+    until: Until | None,
     limits: Limits,
     tokens: str | None,
     tokens_file: Any,
@@ -332,17 +319,19 @@ def _ask(
 
 def _local_index(
     addresses: tuple[str, ...],
-    until: tuple[str, float] | None,
+    until: Until | None,
     limits: Limits,
     block_size: int | None,
     model_name: str,
     out: Output,
 ) -> RouterIndex:
     """The index ``kvctl index`` would serve for these SOURCEs, built here."""
+    from ..indexing import is_snapshot, load_snapshot, source_kind
     from ..options import Sources
     from ..pipeline import Summary
     from ..selection import Filters
     from ..session import read
+    from ..state import RouterIndex
 
     if is_snapshot(addresses):
         snapshot = load_snapshot(Path(addresses[0]))
@@ -358,7 +347,7 @@ def _local_index(
     index = RouterIndex(block_size or DEFAULT_BLOCK_SIZE, model_name)
 
     def consume(batch: Batch) -> None:
-        if until_keeps(until, batch):
+        if until is None or until.keeps(batch):
             index.apply(batch)
 
     read(Sources(addresses), Filters(), limits, out, Summary(), consume)
@@ -367,6 +356,8 @@ def _local_index(
 
 def overlaps_from_index(found: IndexOverlap) -> list[Overlap]:
     """Overlaps from kvctl's own index: every tier per worker and dp rank, exactly."""
+    from ..state import DISK, EXTERNAL, HOST
+
     host = found.lower.get(HOST, {})
     disk, external = found.lower.get(DISK, {}), found.lower.get(EXTERNAL, {})
     everyone = set(found.device) | set(host) | set(disk) | set(external)
