@@ -213,52 +213,11 @@ QUERIES: list[tuple[list[int], str | None]] = [
 ]
 
 
-def test_every_decision_against_dynamos_indexer(tmp_path):
+def test_every_decision_against_dynamos_indexer():
     """A scripted engine stream over three sockets (worker 1 dp 0, worker 1 dp 1, worker 2):
-    after each phase both indexes hold the same chains and answer the same queries."""
-    from conftest import Engine
-
-    ports = [free_port() for _ in range(3)]
-    labels = [f"1=tcp://127.0.0.1:{ports[0]}", f"1:1=tcp://127.0.0.1:{ports[1]}"]
-    labels.append(f"2=tcp://127.0.0.1:{ports[2]}")
-    engines = [Engine(f"tcp://127.0.0.1:{p}") for p in ports]
-    dynamo_port = free_port()
-    dynamo = subprocess.Popen(
-        [sys.executable, "-m", "dynamo.indexer", "--block-size", "4", "--port", str(dynamo_port)]
-        + ["--workers", ",".join(labels)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "DYN_LOG": "error"},
-    )
-    kvctl = start_kvctl("index", *labels, "--block-size", "4", "--port", "0", "--json", "-q")
-    ours = json.loads(read_until(kvctl.stdout, '"serving"')[-1])["serving"]
-    theirs = f"http://127.0.0.1:{dynamo_port}"
-    try:
-        for e in engines:
-            e.wait_for(2)
-        for number, phase in enumerate(SCRIPT):
-            for engine, dp, events in phase:
-                engines[engine].send(events, dp_rank=dp)
-            deadline = time.monotonic() + 20
-            while True:  # both apply asynchronously: until they agree, bounded
-                try:
-                    mine, dynamos = chains(get(ours + "/dump")), chains(get(theirs + "/dump"))
-                except (OSError, urllib.error.URLError):
-                    mine, dynamos = set(), {None}
-                if mine == dynamos or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-            assert mine == dynamos, (number, mine ^ dynamos)
-            for tokens, lora in QUERIES:
-                body = {"token_ids": tokens, "model_name": "default", "lora_name": lora}
-                assert get(ours + "/query", body) == get(theirs + "/query", body), (number, body)
-    finally:
-        interrupt(kvctl)
-        finish(kvctl)
-        dynamo.terminate()
-        dynamo.wait(10)
-        for e in engines:
-            e.close()
+    after each batch both indexes hold the same chains, and after each phase they answer the
+    same queries."""
+    run_against_dynamo(SCRIPT, QUERIES, workers=("1", "1:1", "2"))
 
 
 def random_phases(rng: random.Random, phases: int) -> list[list[tuple[int, None, list[dict]]]]:
@@ -302,13 +261,14 @@ def random_phases(rng: random.Random, phases: int) -> list[list[tuple[int, None,
     return out
 
 
-def run_against_dynamo(phases, queries) -> None:
-    """Both indexes consume the phases over three engine sockets; after each phase they hold
-    the same chains and answer the queries alike."""
+def run_against_dynamo(phases, queries, workers=("0", "1", "2")) -> None:
+    """Both indexes consume the phases over one engine socket per WORKER[:DP] label; after
+    each batch they hold the same chains, and after each phase they answer the queries
+    alike."""
     from conftest import Engine
 
-    ports = [free_port() for _ in range(3)]
-    labels = [f"{i}=tcp://127.0.0.1:{p}" for i, p in enumerate(ports)]
+    ports = [free_port() for _ in workers]
+    labels = [f"{w}=tcp://127.0.0.1:{p}" for w, p in zip(workers, ports, strict=True)]
     engines = [Engine(f"tcp://127.0.0.1:{p}") for p in ports]
     dynamo_port = free_port()
     dynamo = subprocess.Popen(
