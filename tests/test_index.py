@@ -29,7 +29,7 @@ def store(hashes, parent, tokens, medium=None, lora_name=None, block_size=4) -> 
         "parent_block_hash": parent,
         "token_ids": tokens,
         "block_size": block_size,
-        "lora_id": None,
+        "lora_id": 1 if lora_name else None,
         "medium": medium,
         "lora_name": lora_name,
     }

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 from conftest import finish, free_port, free_port_range, interrupt, read_until, start_kvctl
-from test_index import chains
+from test_index import T, chains, remove, store
 
 from kvctl.recording.source import RecordingSource
 
@@ -139,27 +139,6 @@ def test_kvctl_index_answers_as_dynamos_indexer(tmp_path, feed):
         finish(kvctl)
         dynamo.terminate()
         dynamo.wait(10)
-
-
-def T(a: int, b: int) -> list[int]:
-    return list(range(a, b))
-
-
-def store(hashes, parent, tokens, medium=None, lora_name=None, block_size=4) -> dict:
-    return {
-        "type": "BlockStored",
-        "block_hashes": hashes,
-        "parent_block_hash": parent,
-        "token_ids": tokens,
-        "block_size": block_size,
-        "lora_id": 1 if lora_name else None,
-        "medium": medium,
-        "lora_name": lora_name,
-    }
-
-
-def remove(hashes, medium=None) -> dict:
-    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
 
 
 # (engine, dp rank of the batch or None, events): every decision the index makes, in phases
