@@ -154,6 +154,33 @@ def test_codecs_and_engine_are_pure(path, forbidden):
     assert not imported & forbidden, path.name
 
 
+INSTALLED_WITH_KVCTL = {"click", "rich", "zmq", "msgpack", "nats", "pyarrow", "xxhash", "msgspec"}
+"""What ``pip install kvctl`` brings ([project.dependencies], by import name)."""
+EXTRAS_WHERE_USED = {"matplotlib": {"plots.py"}, "tokenizers": {"query.py"}}
+"""An optional extra is imported by one module, which says how to install it when missing."""
+
+
+def test_every_import_is_installed_with_kvctl_or_an_extra_where_it_is_used():
+    """The plain install runs every command: kvctl imports nothing else (numpy included: it
+    comes with the test extras, so only this test and CI's plain-install smoke would see it)."""
+    outside = []
+    for path in sorted((REPO / "kvctl").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in {name.split(".")[0] for name in names}:
+                if top in sys.stdlib_module_names or top in INSTALLED_WITH_KVCTL | {"kvctl"}:
+                    continue
+                if path.name in EXTRAS_WHERE_USED.get(top, ()):
+                    continue
+                outside.append(f"{path.relative_to(REPO)}:{node.lineno} imports {top}")
+    assert not outside, outside
+
+
 def test_exit_codes_are_documented():
     readme = (REPO / "README.md").read_text()
     for code in ("0", "1", "2", "3", "130"):

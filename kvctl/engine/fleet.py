@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from random import Random
 from typing import Any
 
-from kvctl.events import Event
-from kvctl.routing import dynamo_cost
-
+from ..events import Event
+from ..routing import dynamo_cost
 from .cache import extend_hashes
 from .engine import DEFAULT_STEP_OVERHEAD_S, DEFAULT_TOKEN_COST_S, Request, Worker
 from .workload import ChatParams, SyntheticWorkload, TraceWorkload

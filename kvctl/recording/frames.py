@@ -15,12 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -150,27 +150,27 @@ class FramesFile:
     def _rows(rb: pa.RecordBatch, with_keys: bool) -> list[tuple[Any, ...]]:
         n = rb.num_rows
         payload = rb.column("payload")
-        offsets = np.frombuffer(payload.buffers()[1], dtype=np.int64)
-        offsets = offsets[payload.offset : payload.offset + n + 1].tolist()
+        offsets = _numbers(payload, "q", n + 1)  # large_binary: int64 offsets
         data = payload.buffers()[2]
         view = memoryview(data) if data is not None else memoryview(b"")
         payloads = [view[a:b] for a, b in zip(offsets, offsets[1:], strict=False)]
         topic = rb.column("topic").dictionary_encode()
         table = topic.dictionary.to_pylist()
-        topics = [table[k] for k in topic.indices.to_numpy().tolist()]
+        topics = [table[k] for k in _numbers(topic.indices, "i", n)]
         keys = rb.column("key").to_pylist() if with_keys else [None] * n
         extra: list[Any] = [None] * n
         for name in ("frames", "error"):
             column = rb.column(name)
             if column.null_count < n:
-                for k in np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False)):
-                    extra[k] = column[int(k)].as_py()
+                for k, valid in enumerate(column.is_valid().to_pylist()):
+                    if valid:
+                        extra[k] = column[k].as_py()
         return list(
             zip(
-                rb.column("when").to_numpy().tolist(),
+                _numbers(rb.column("when"), "d", n),
                 rb.column("seq").to_pylist(),
-                rb.column("kind").to_numpy().tolist(),
-                rb.column("events").to_numpy().tolist(),
+                _numbers(rb.column("kind"), "b", n),
+                _numbers(rb.column("events"), "i", n),
                 keys,
                 topics,
                 payloads,
@@ -181,6 +181,15 @@ class FramesFile:
 
     def close(self) -> None:
         self.source.close()
+
+
+def _numbers(column: pa.Array, code: Literal["b", "i", "q", "d"], count: int) -> list[Any]:
+    """``count`` values of a null-free fixed-width column (or the offsets of a binary one)
+    read off its data buffer with the struct ``code``: as fast as numpy's ``tolist``, without
+    numpy (not a dependency)."""
+    width = struct.calcsize(code)
+    data = column.buffers()[1].slice(column.offset * width, count * width)
+    return memoryview(data).cast(code).tolist()
 
 
 def open_cache(path: Path, key: dict[str, Any]) -> FramesFile | None:
