@@ -1,5 +1,7 @@
-"""The router's index as kvctl keeps and serves it: ``/dump`` snapshots, and the HTTP server
-with Dynamo 1.6's standalone-indexer endpoints. Shared by
+"""The router's index as kvctl keeps, serves and asks it: ``/dump`` snapshots, the HTTP server
+with Dynamo 1.6's standalone-indexer endpoints, and, for ``kvctl query``, the overlaps of a
+prompt from an index built from SOURCEs or from a running index (Dynamo's or kvctl's) over
+HTTP. Shared by
 ``kvctl index`` (which serves it) and ``kvctl query`` (which asks it directly)."""
 
 from __future__ import annotations
@@ -10,11 +12,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import KvctlError
-from .state import RouterIndex
+from .errors import KvctlError, TransportError, UsageError
+from .events import DEFAULT_BLOCK_SIZE
+from .routing import Overlap, WorkerKey, worker_order
+from .state import DISK, EXTERNAL, HOST, RouterIndex
 
 if TYPE_CHECKING:
     from .events import Batch
+    from .output import Output
+    from .selection import Limits, Until
+    from .state import Overlap as IndexOverlap
 
 U32_LIMIT = 1 << 32
 QUERY_BODY_LIMIT = 8 * 1024 * 1024
@@ -247,3 +254,215 @@ def source_kind(addresses: tuple[str, ...]) -> str:
     if schemes == {"nats"}:
         return "nats"
     return "recording" if all(Path(a).exists() for a in addresses) else "stream"
+
+
+# --- an index for `kvctl query` ---------------------------------------------------------------
+
+
+def ask_index(
+    index: str,
+    token_ids: list[int],
+    model_name: str,
+    lora_name: str | None,
+    block_size: int | None,
+    timeout: float,
+    notes: list[str],
+) -> tuple[list[Overlap], int, list[WorkerKey], str]:
+    """A running index's answer: the overlaps, block size, known workers and its base URL."""
+    base = base_url(index)
+    known, index_block_size = index_workers(base, model_name, timeout)
+    # asked first: an index that knows no such model says so in its own words
+    answer = _post_query(base, token_ids, model_name, lora_name, timeout)
+    if block_size is None:
+        if index_block_size is None:
+            raise UsageError(
+                f"{base} does not say its block size for {model_name!r}: give --block-size"
+            )
+        block_size = index_block_size
+    elif index_block_size is not None and index_block_size != block_size:
+        notes.append(
+            f"--block-size {block_size} differs from the index's {index_block_size} for "
+            f"{model_name!r}: matched lengths are the index's, counted in blocks of {block_size}"
+        )
+    return overlaps_from_dynamo(answer, block_size, notes), block_size, known, base
+
+
+def build_index(
+    addresses: tuple[str, ...],
+    until: Until | None,
+    limits: Limits,
+    block_size: int | None,
+    model_name: str,
+    out: Output,
+) -> RouterIndex:
+    """The index ``kvctl index`` would serve for these SOURCEs, built here."""
+    from .options import Sources
+    from .pipeline import Summary
+    from .selection import Filters
+    from .session import read
+
+    if is_snapshot(addresses):
+        snapshot = load_snapshot(Path(addresses[0]))
+        if block_size is not None and block_size != snapshot.block_size:
+            raise UsageError(f"{addresses[0]} holds blocks of {snapshot.block_size} tokens")
+        return snapshot
+    kind = source_kind(addresses)
+    if until is not None and kind != "recording":
+        raise UsageError("--until reads recordings (files or segment directories) only")
+    stops = (limits.count, limits.duration, limits.idle_timeout)
+    if kind != "recording" and all(stop is None for stop in stops):
+        raise UsageError("live SOURCEs are read until -c, --duration or --idle-timeout")
+    index = RouterIndex(block_size or DEFAULT_BLOCK_SIZE, model_name)
+
+    def consume(batch: Batch) -> None:
+        if until is None or until.keeps(batch):
+            index.apply(batch)
+
+    read(Sources(addresses), Filters(), limits, out, Summary(), consume)
+    return index
+
+
+def overlaps_from_index(found: IndexOverlap) -> list[Overlap]:
+    """Overlaps from kvctl's own index: every tier per worker and dp rank, exactly."""
+    host = found.lower.get(HOST, {})
+    disk, external = found.lower.get(DISK, {}), found.lower.get(EXTERNAL, {})
+    everyone = set(found.device) | set(host) | set(disk) | set(external)
+    return [
+        Overlap(
+            wid,
+            dp,
+            found.device.get((wid, dp), 0),
+            host.get((wid, dp), 0),
+            disk.get((wid, dp), 0) + external.get((wid, dp), 0),
+        )
+        for wid, dp in sorted(everyone, key=worker_order)
+    ]
+
+
+# --- asking a running index over HTTP ---------------------------------------------------------
+
+
+def base_url(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UsageError(f"--index {url!r}: expected http://HOST:PORT")
+    return url.rstrip("/")
+
+
+def _request(url: str, body: Any, timeout: float) -> tuple[int, bytes]:
+    """(HTTP status, body) of a GET, or of a POST of ``body`` as JSON; an unreachable index is
+    a TransportError with one line."""
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"} if data else {}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, ConnectionRefusedError):
+            reason = "connection refused"
+        elif isinstance(reason, TimeoutError):
+            reason = f"no answer within {timeout:g} s"
+        raise TransportError(f"{url}: {reason}: is the index running there?") from None
+    except TimeoutError:
+        raise TransportError(f"{url}: no answer within {timeout:g} s") from None
+    except OSError as exc:  # a connection reset halfway, say
+        raise TransportError(f"{url}: {exc}") from None
+
+
+def _json(url: str, status: int, payload: bytes) -> Any:
+    try:
+        return json.loads(payload)
+    except (ValueError, RecursionError):
+        raise TransportError(
+            f"{url}: HTTP {status} with a body that is not JSON: {payload[:120]!r}"
+        ) from None
+
+
+def index_workers(base: str, model: str, timeout: float) -> tuple[list[WorkerKey], int | None]:
+    """The workers and dp ranks the index knows for ``model``, and its block size, from
+    ``/workers`` (Dynamo's shape); nothing when the index has no such endpoint."""
+    url = f"{base}/workers"
+    status, payload = _request(url, None, timeout)
+    if status != 200:  # an index without /workers: the answer's workers are the candidates
+        return [], None
+    document = _json(url, status, payload)
+    if not isinstance(document, list):
+        return [], None
+    keys: list[WorkerKey] = []
+    block_sizes = set()
+    for record in document:
+        if not isinstance(record, dict) or record.get("model_name", model) != model:
+            continue
+        worker = record.get("instance_id")
+        if type(worker) is not int:
+            continue
+        if type(record.get("block_size")) is int:
+            block_sizes.add(record["block_size"])
+        ranks = record.get("endpoints") or {"0": None}
+        for rank in ranks:
+            if str(rank).isdigit():
+                keys.append((worker, int(rank)))
+    return keys, (block_sizes.pop() if len(block_sizes) == 1 else None)
+
+
+def _post_query(
+    base: str, token_ids: list[int], model: str, lora: str | None, timeout: float
+) -> dict[str, Any]:
+    url = f"{base}/query"
+    body: dict[str, Any] = {"token_ids": token_ids, "model_name": model}
+    if lora is not None:
+        body["lora_name"] = lora
+    status, payload = _request(url, body, timeout)
+    if status != 200:
+        try:
+            message = json.loads(payload).get("error") or payload.decode(errors="replace")
+        except (ValueError, AttributeError):
+            message = payload.decode(errors="replace")
+        raise KvctlError(f"{url}: HTTP {status}: {' '.join(str(message).split())}")
+    answer = _json(url, status, payload)
+    if not isinstance(answer, dict):
+        raise TransportError(f"{url}: expected a JSON object, got {type(answer).__name__}")
+    return answer
+
+
+def overlaps_from_dynamo(
+    answer: dict[str, Any], block_size: int, notes: list[str]
+) -> list[Overlap]:
+    """Overlaps from a Dynamo ``/query`` answer. Its counts are tokens: per worker ``dp`` (GPU
+    prefix per dp rank), ``gpu``, and ``cpu``/``disk`` cumulative through the tiers before,
+    the most of any dp rank. With one dp rank the tiers split exactly; with several, the CPU and
+    disk extension cannot be told to a rank and is left out (said in ``notes``)."""
+    overlaps = []
+    instances = answer.get("instances")
+    if not isinstance(instances, dict):
+        raise TransportError("the index's /query answer has no 'instances' object")
+    for name, summary in sorted(instances.items()):
+        try:
+            worker = int(name)
+            ranks = {int(rank): int(tokens) for rank, tokens in summary["dp"].items()}
+            gpu, cpu, disk = (int(summary[tier]) for tier in ("gpu", "cpu", "disk"))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise TransportError(
+                f"the index's /query answer for worker {name!r} is not Dynamo's shape"
+            ) from None
+        host_blocks = max(cpu - gpu, 0) // block_size
+        disk_blocks = max(disk - max(cpu, gpu), 0) // block_size
+        if len(ranks) > 1 and (host_blocks or disk_blocks):
+            notes.append(
+                f"worker {worker} has {len(ranks)} dp ranks: the index reports CPU and disk "
+                "matches per worker only, so no rank is credited with them"
+            )
+            host_blocks = disk_blocks = 0
+        for rank, tokens in sorted(ranks.items()):
+            overlaps.append(Overlap(worker, rank, tokens // block_size, host_blocks, disk_blocks))
+    return overlaps

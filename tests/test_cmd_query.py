@@ -13,8 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from inprocess import run_main
 
-from kvctl.commands.query import overlaps_from_dynamo, parse_token_ids, tokenize
+from kvctl.commands.query import parse_token_ids, tokenize
 from kvctl.errors import ExitCode, UsageError
+from kvctl.indexing import overlaps_from_dynamo
 from kvctl.recording.source import RecordingSource
 from kvctl.routing import Overlap
 from kvctl.state import RouterIndex

@@ -4,13 +4,11 @@ policy would send it (Dynamo 1.6's cost, longest prefix, llm-d's tier-weighted s
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..errors import KvctlError, TransportError, UsageError
-from ..events import DEFAULT_BLOCK_SIZE
+from ..errors import KvctlError, UsageError
 from ..help import KvctlCommand
 from ..options import limit_options, reporting, until_option
 from ..redact import redact_url
@@ -21,22 +19,17 @@ from ..routing import (
     Explanation,
     LlmdKnobs,
     Load,
-    Overlap,
     WorkerKey,
     request_blocks,
     worker_label,
-    worker_order,
 )
 from ..routing import explain as explain_prompt
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from ..events import Batch
     from ..output import Output
     from ..selection import Limits, Until
-    from ..state import Overlap as IndexOverlap
-    from ..state import RouterIndex
 
 _DYNAMO = DynamoKnobs()
 _LLMD = LlmdKnobs()
@@ -251,18 +244,20 @@ def command(
     """
     token_ids = _prompt(tokens, tokens_file, text, tokenizer, not no_special_tokens)
     loads = _loads(load, prefill_tokens, decode_blocks, active_requests)
+    from ..indexing import ask_index, build_index, overlaps_from_index
+
     notes: list[str] = []
     if (index is None) == (not sources):
         raise UsageError("ask a running index (--index URL) or SOURCEs: one of the two")
     if index is None:
-        local = _local_index(sources, until, limits, block_size, model_name, out)
+        local = build_index(sources, until, limits, block_size, model_name, out)
         block_size, known = local.block_size, local.workers
         overlaps = overlaps_from_index(local.query(token_ids, lora_name))
         where: dict[str, Any] = {"sources": [redact_url(a) for a in sources]}
     else:
         if until is not None:
             raise UsageError("--until builds an index from recordings: give them as SOURCEs")
-        overlaps, block_size, known, base = _ask(
+        overlaps, block_size, known, base = ask_index(
             index, token_ids, model_name, lora_name, block_size, timeout, notes
         )
         where = {"index": base}
@@ -287,90 +282,6 @@ def command(
     )
     context = {**where, "model_name": model_name, "lora_name": lora_name}
     show(explanation, context, notes, out, explain)
-
-
-def _ask(
-    index: str,
-    token_ids: list[int],
-    model_name: str,
-    lora_name: str | None,
-    block_size: int | None,
-    timeout: float,
-    notes: list[str],
-) -> tuple[list[Overlap], int, list[WorkerKey], str]:
-    """A running index's answer: the overlaps, block size, known workers and its base URL."""
-    base = _base_url(index)
-    known, index_block_size = _workers(base, model_name, timeout)
-    # asked first: an index that knows no such model says so in its own words
-    answer = _query(base, token_ids, model_name, lora_name, timeout)
-    if block_size is None:
-        if index_block_size is None:
-            raise UsageError(
-                f"{base} does not say its block size for {model_name!r}: give --block-size"
-            )
-        block_size = index_block_size
-    elif index_block_size is not None and index_block_size != block_size:
-        notes.append(
-            f"--block-size {block_size} differs from the index's {index_block_size} for "
-            f"{model_name!r}: matched lengths are the index's, counted in blocks of {block_size}"
-        )
-    return overlaps_from_dynamo(answer, block_size, notes), block_size, known, base
-
-
-def _local_index(
-    addresses: tuple[str, ...],
-    until: Until | None,
-    limits: Limits,
-    block_size: int | None,
-    model_name: str,
-    out: Output,
-) -> RouterIndex:
-    """The index ``kvctl index`` would serve for these SOURCEs, built here."""
-    from ..indexing import is_snapshot, load_snapshot, source_kind
-    from ..options import Sources
-    from ..pipeline import Summary
-    from ..selection import Filters
-    from ..session import read
-    from ..state import RouterIndex
-
-    if is_snapshot(addresses):
-        snapshot = load_snapshot(Path(addresses[0]))
-        if block_size is not None and block_size != snapshot.block_size:
-            raise UsageError(f"{addresses[0]} holds blocks of {snapshot.block_size} tokens")
-        return snapshot
-    kind = source_kind(addresses)
-    if until is not None and kind != "recording":
-        raise UsageError("--until reads recordings (files or segment directories) only")
-    stops = (limits.count, limits.duration, limits.idle_timeout)
-    if kind != "recording" and all(stop is None for stop in stops):
-        raise UsageError("live SOURCEs are read until -c, --duration or --idle-timeout")
-    index = RouterIndex(block_size or DEFAULT_BLOCK_SIZE, model_name)
-
-    def consume(batch: Batch) -> None:
-        if until is None or until.keeps(batch):
-            index.apply(batch)
-
-    read(Sources(addresses), Filters(), limits, out, Summary(), consume)
-    return index
-
-
-def overlaps_from_index(found: IndexOverlap) -> list[Overlap]:
-    """Overlaps from kvctl's own index: every tier per worker and dp rank, exactly."""
-    from ..state import DISK, EXTERNAL, HOST
-
-    host = found.lower.get(HOST, {})
-    disk, external = found.lower.get(DISK, {}), found.lower.get(EXTERNAL, {})
-    everyone = set(found.device) | set(host) | set(disk) | set(external)
-    return [
-        Overlap(
-            wid,
-            dp,
-            found.device.get((wid, dp), 0),
-            host.get((wid, dp), 0),
-            disk.get((wid, dp), 0) + external.get((wid, dp), 0),
-        )
-        for wid, dp in sorted(everyone, key=worker_order)
-    ]
 
 
 # -- input --------------------------------------------------------------------------------------
@@ -493,135 +404,6 @@ def _loads(
             key = parse_worker(name, flag)
             fields.setdefault(key, {})[field] = _count(count, f"{flag} {item}")
     return {key: Load(**values) for key, values in fields.items()}
-
-
-# -- the index over HTTP --------------------------------------------------------------------------
-
-
-def _base_url(url: str) -> str:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise UsageError(f"--index {url!r}: expected http://HOST:PORT")
-    return url.rstrip("/")
-
-
-def _request(url: str, body: Any, timeout: float) -> tuple[int, bytes]:
-    """(HTTP status, body) of a GET, or of a POST of ``body`` as JSON; an unreachable index is
-    a TransportError with one line."""
-    import urllib.error
-    import urllib.request
-
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"} if data else {}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except urllib.error.URLError as exc:
-        reason = exc.reason
-        if isinstance(reason, ConnectionRefusedError):
-            reason = "connection refused"
-        elif isinstance(reason, TimeoutError):
-            reason = f"no answer within {timeout:g} s"
-        raise TransportError(f"{url}: {reason}: is the index running there?") from None
-    except TimeoutError:
-        raise TransportError(f"{url}: no answer within {timeout:g} s") from None
-    except OSError as exc:  # a connection reset halfway, say
-        raise TransportError(f"{url}: {exc}") from None
-
-
-def _json(url: str, status: int, payload: bytes) -> Any:
-    try:
-        return json.loads(payload)
-    except (ValueError, RecursionError):
-        raise TransportError(
-            f"{url}: HTTP {status} with a body that is not JSON: {payload[:120]!r}"
-        ) from None
-
-
-def _workers(base: str, model: str, timeout: float) -> tuple[list[WorkerKey], int | None]:
-    """The workers and dp ranks the index knows for ``model``, and its block size, from
-    ``/workers`` (Dynamo's shape); nothing when the index has no such endpoint."""
-    url = f"{base}/workers"
-    status, payload = _request(url, None, timeout)
-    if status != 200:  # an index without /workers: the answer's workers are the candidates
-        return [], None
-    document = _json(url, status, payload)
-    if not isinstance(document, list):
-        return [], None
-    keys: list[WorkerKey] = []
-    block_sizes = set()
-    for record in document:
-        if not isinstance(record, dict) or record.get("model_name", model) != model:
-            continue
-        worker = record.get("instance_id")
-        if type(worker) is not int:
-            continue
-        if type(record.get("block_size")) is int:
-            block_sizes.add(record["block_size"])
-        ranks = record.get("endpoints") or {"0": None}
-        for rank in ranks:
-            if str(rank).isdigit():
-                keys.append((worker, int(rank)))
-    return keys, (block_sizes.pop() if len(block_sizes) == 1 else None)
-
-
-def _query(
-    base: str, token_ids: list[int], model: str, lora: str | None, timeout: float
-) -> dict[str, Any]:
-    url = f"{base}/query"
-    body: dict[str, Any] = {"token_ids": token_ids, "model_name": model}
-    if lora is not None:
-        body["lora_name"] = lora
-    status, payload = _request(url, body, timeout)
-    if status != 200:
-        try:
-            message = json.loads(payload).get("error") or payload.decode(errors="replace")
-        except (ValueError, AttributeError):
-            message = payload.decode(errors="replace")
-        raise KvctlError(f"{url}: HTTP {status}: {' '.join(str(message).split())}")
-    answer = _json(url, status, payload)
-    if not isinstance(answer, dict):
-        raise TransportError(f"{url}: expected a JSON object, got {type(answer).__name__}")
-    return answer
-
-
-def overlaps_from_dynamo(
-    answer: dict[str, Any], block_size: int, notes: list[str]
-) -> list[Overlap]:
-    """Overlaps from a Dynamo ``/query`` answer. Its counts are tokens: per worker ``dp`` (GPU
-    prefix per dp rank), ``gpu``, and ``cpu``/``disk`` cumulative through the tiers before,
-    the most of any dp rank. With one dp rank the tiers split exactly; with several, the CPU and
-    disk extension cannot be told to a rank and is left out (said in ``notes``)."""
-    overlaps = []
-    instances = answer.get("instances")
-    if not isinstance(instances, dict):
-        raise TransportError("the index's /query answer has no 'instances' object")
-    for name, summary in sorted(instances.items()):
-        try:
-            worker = int(name)
-            ranks = {int(rank): int(tokens) for rank, tokens in summary["dp"].items()}
-            gpu, cpu, disk = (int(summary[tier]) for tier in ("gpu", "cpu", "disk"))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise TransportError(
-                f"the index's /query answer for worker {name!r} is not Dynamo's shape"
-            ) from None
-        host_blocks = max(cpu - gpu, 0) // block_size
-        disk_blocks = max(disk - max(cpu, gpu), 0) // block_size
-        if len(ranks) > 1 and (host_blocks or disk_blocks):
-            notes.append(
-                f"worker {worker} has {len(ranks)} dp ranks: the index reports CPU and disk "
-                "matches per worker only, so no rank is credited with them"
-            )
-            host_blocks = disk_blocks = 0
-        for rank, tokens in sorted(ranks.items()):
-            overlaps.append(Overlap(worker, rank, tokens // block_size, host_blocks, disk_blocks))
-    return overlaps
 
 
 # -- output -------------------------------------------------------------------------------------
