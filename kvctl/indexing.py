@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .errors import KvctlError
+from .errors import KvctlError, TransportError, UsageError
+from .redact import redact_url
 from .state import RouterIndex
 
 if TYPE_CHECKING:
@@ -95,6 +96,69 @@ def write_snapshot(path: Path, index: RouterIndex) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise KvctlError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+# --- a running index, from outside -------------------------------------------------------------
+
+
+def index_base_url(url: str) -> str:
+    """``http://HOST:PORT`` of an index given as its base URL or as its ``/dump`` URL."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UsageError(f"{redact_url(url)!r}: expected http://HOST:PORT")
+    base = url.rstrip("/")
+    return base[: -len("/dump")] if base.endswith("/dump") else base
+
+
+def http_get(url: str, timeout: float) -> tuple[int, bytes]:
+    """(HTTP status, body) of a GET; an index that cannot be reached is a TransportError with
+    one line."""
+    import urllib.error
+    import urllib.request
+
+    shown = redact_url(url)
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, ConnectionRefusedError):
+            reason = "connection refused"
+        elif isinstance(reason, TimeoutError):
+            reason = f"no answer within {timeout:g} s"
+        raise TransportError(f"{shown}: {reason}: is the index running there?") from None
+    except TimeoutError:
+        raise TransportError(f"{shown}: no answer within {timeout:g} s") from None
+    except OSError as exc:  # a connection reset halfway, say
+        raise TransportError(f"{shown}: {exc}") from None
+
+
+def fetch_dump(base: str, timeout: float) -> Any:
+    """The ``/dump`` document of the index at ``base`` (Dynamo's indexer or ``kvctl index``)."""
+    url = f"{base}/dump"
+    status, payload = http_get(url, timeout)
+    if status != 200:
+        text = " ".join(payload[:200].decode(errors="replace").split())
+        raise TransportError(f"{redact_url(url)}: HTTP {status}: {text or 'no /dump here'}")
+    try:
+        return json.loads(payload)
+    except (ValueError, RecursionError):
+        raise TransportError(
+            f"{redact_url(url)}: HTTP {status} with a body that is not JSON: {payload[:120]!r}"
+        ) from None
+
+
+def read_dump(path: Path) -> Any:
+    """A ``/dump`` document saved in a file (``kvctl index -o``, or Dynamo's ``/dump`` saved)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise KvctlError(f"{path}: not a /dump snapshot: {reason}") from None
 
 
 # --- the HTTP server --------------------------------------------------------------------------
