@@ -257,12 +257,12 @@ def bench_query(fleet: Fleet, bodies: list[bytes]) -> None:
         child.terminate()
         child.join(10)
     # where the time goes, in-process: parsing the body, hashing, walking the tree
-    from kvctl.indexing import _query_request
+    from kvctl.indexing import query_request
 
     parse, hashing, walk = [], [], []
     for body in bodies:
         t0 = time.perf_counter()
-        _, _, req = _query_request(body)
+        _, _, req = query_request(body)
         t1 = time.perf_counter()
         hashes = dynamo_block_hashes(req["token_ids"], BLOCK_SIZE)
         t2 = time.perf_counter()

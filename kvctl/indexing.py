@@ -245,8 +245,54 @@ def _labels(**labels: Any) -> str:
     return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels.items()) + "}"
 
 
-def _query_request(body: bytes) -> tuple[int, str, Any]:
-    """Validate a ``/query`` body as Dynamo does: (status, content type, parsed or message)."""
+def _query_body_type() -> Any:
+    """The ``/query`` body as msgspec decodes and checks it in one pass: a 32k-token prompt
+    takes ~0.3 ms there, ~4 ms through ``json`` and a Python loop over the tokens."""
+    from typing import Annotated
+
+    import msgspec
+
+    u32 = Annotated[int, msgspec.Meta(ge=0, lt=U32_LIMIT)]
+    fields: list[Any] = [
+        ("token_ids", list[u32]),
+        ("model_name", str | None),
+        ("routing_group", str | None, None),
+        ("lora_name", str | None, None),
+    ]
+    return msgspec.json.Decoder(msgspec.defstruct("QueryBody", fields))
+
+
+_query_body: Any = None
+
+
+def query_request(body: bytes) -> tuple[int, str, Any]:
+    """Validate a ``/query`` body as Dynamo does: (status, content type, parsed or message).
+    A well-formed body takes the fast path; anything else is parsed again by ``json`` for
+    the message Dynamo's answer would give."""
+    global _query_body
+    import msgspec
+
+    if _query_body is None:
+        _query_body = _query_body_type()
+    try:
+        fast = _query_body.decode(body)
+    except msgspec.MsgspecError:
+        return parse_query_request(body)
+    group = fast.routing_group
+    return (
+        200,
+        "application/json",
+        {
+            "token_ids": fast.token_ids,
+            "model_name": fast.model_name,
+            "routing_group": "default" if group is None else group,
+            "lora_name": fast.lora_name,
+        },
+    )
+
+
+def parse_query_request(body: bytes) -> tuple[int, str, Any]:
+    """:func:`query_request` through ``json``: every message as Dynamo words it."""
     try:
         req = json.loads(body)
     except ValueError as exc:
@@ -323,7 +369,7 @@ def make_handler(served: Served) -> type[BaseHTTPRequestHandler]:
                 message = b"Expected request with `Content-Type: application/json`"
                 self.reply(415, message, "text/plain; charset=utf-8")
                 return
-            status, ctype, req = _query_request(body)
+            status, ctype, req = query_request(body)
             if status != 200:
                 self.reply(status, req.encode(), ctype + "; charset=utf-8")
                 return

@@ -14,13 +14,16 @@ import urllib.error
 
 import pytest
 from conftest import (
+    Engine,
     finish,
     free_port,
     free_port_range,
     interrupt,
     read_until,
+    removed,
     run_kvctl,
     start_kvctl,
+    stored,
 )
 
 from kvctl.checks import Checker, dump_prefixes
@@ -291,3 +294,33 @@ def test_dynamos_indexer_fed_the_same_stream_is_in_step(fleet):
         dynamo.terminate()
         dynamo.wait(10)
     assert rc == 0 and not {r["id"] for r in report["rules"]} & {"KV501", "KV502"}, report
+
+
+def test_live_check_against_a_live_index_that_hears_one_engine_of_two():
+    """Live: `kvctl index` listens to engine 1 only, `kvctl check` to both; when the stream has
+    been quiet for --idle-timeout, the index's /dump is fetched: engine 2's blocks are missing
+    from it, engine 1 is in step (its removal included)."""
+    one = Engine(f"tcp://127.0.0.1:{free_port()}")
+    two = Engine(f"tcp://127.0.0.1:{free_port()}")
+    index, url = serve(f"1={one.endpoint}", "--block-size", "4")
+    checker = start_kvctl(
+        *("check", f"1={one.endpoint}", f"2={two.endpoint}", "--idle-timeout", "2"),
+        *("--against", url, "--json", "--max-examples", "100"),
+    )
+    try:
+        one.wait_for(2)
+        two.wait_for(1)
+        one.send([stored([1, 2]), stored([3], parent=2)])
+        one.send([removed([3])])
+        two.send([stored([7, 8])])
+        rc, out, err = finish(checker, timeout=30)
+    finally:
+        interrupt(index)
+        finish(index)
+        one.close()
+        two.close()
+    assert rc == 0, err  # missing blocks are warnings
+    report = json.loads(out)
+    assert drift(report, "KV502") == {"2[dp0]": {7, 8}}
+    assert drift(report, "KV501") == {}
+    assert report["against"]["router_blocks"] == 2 and report["against"]["engine_blocks"] == 4
