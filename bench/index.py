@@ -8,10 +8,11 @@ Usage: python bench/index.py [--requests 3000] [--rounds 5] [--workers 8] [--blo
    from its batches, timed against a bare loop that only iterates the same batches' events;
    block events (hashes stored or removed) per second, median of ``--rounds``, and the ratio.
 2. **Query**: an index of ``--workers`` workers x ``--blocks`` blocks (prompts of
-   ``--prompt-tokens`` tokens, some sharing system prompts or whole documents across workers),
-   served by kvctl's HTTP server in a child process; ``--queries`` prompts of that length
-   (cached whole, diverging midway, new after a shared prefix) posted to ``/query`` one at a
-   time on fresh connections, bodies encoded beforehand; round-trip p50/p99.
+   ``--prompt-tokens`` tokens of a 128k vocabulary, some sharing system prompts or whole
+   documents across workers), served by kvctl's HTTP server in a child process;
+   ``--queries`` prompts of that length (cached whole, diverging midway, new after a shared
+   prefix) posted to ``/query`` one at a time on fresh connections, bodies encoded
+   beforehand; round-trip p50/p99, and where the server's time goes (in-process medians).
 3. ``--dynamo``: the same two streams fed to Dynamo's standalone indexer (``python -m
    dynamo.indexer``, the ``interop`` extra) over ZMQ, one socket per worker, and to ``kvctl
    index`` the same way: seconds until each has applied every event (its
@@ -149,7 +150,8 @@ class Fleet:
             self.hashes.append(hashes)
 
     def tokens(self, n: int) -> array:
-        return array("I", self.rng.randbytes(4 * n))
+        """``n`` token ids of a 128k vocabulary (Llama 3's size)."""
+        return array("I", (t & 0x1FFFF for t in array("I", self.rng.randbytes(4 * n))))
 
     def fresh(self, n: int) -> array:
         system = self.rng.choice(self.systems)
