@@ -202,7 +202,7 @@ def command(
         max_examples=max_examples,
         router_view=against is not None,
     )
-    announced: set[str] = set()
+    printed: dict[str, int] = {}
     addresses: list[str] = []
 
     def say(findings: list[Finding]) -> None:
@@ -210,9 +210,9 @@ def command(
             return
         for f in findings:
             out.say(f"kvctl: {finding_line(f)}", _SEVERITY_STYLE.get(f.severity, ""))
-            res = checker.results.get(f.rule)
-            if res is not None and res.count >= max_examples and f.rule not in announced:
-                announced.add(f.rule)
+            # said after the last finding printed (the router comparison gives all at once)
+            printed[f.rule] = printed.get(f.rule, 0) + 1
+            if printed[f.rule] == max_examples:
                 out.say(f"kvctl: {f.rule}: further findings are counted, not printed", "dim")
 
     def consume(batch: Batch) -> None:
