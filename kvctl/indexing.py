@@ -112,15 +112,19 @@ def index_base_url(url: str) -> str:
     return base[: -len("/dump")] if base.endswith("/dump") else base
 
 
-def http_get(url: str, timeout: float) -> tuple[int, bytes]:
-    """(HTTP status, body) of a GET; an index that cannot be reached is a TransportError with
-    one line."""
+def http_request(url: str, timeout: float, body: Any = None) -> tuple[int, bytes]:
+    """(HTTP status, body) of a GET, or of a POST of ``body`` as JSON; an index that cannot be
+    reached is a TransportError with one line."""
     import urllib.error
     import urllib.request
 
     shown = redact_url(url)
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"} if data else {}
+    )
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -140,7 +144,7 @@ def http_get(url: str, timeout: float) -> tuple[int, bytes]:
 def fetch_dump(base: str, timeout: float) -> Any:
     """The ``/dump`` document of the index at ``base`` (Dynamo's indexer or ``kvctl index``)."""
     url = f"{base}/dump"
-    status, payload = http_get(url, timeout)
+    status, payload = http_request(url, timeout)
     if status != 200:
         text = " ".join(payload[:200].decode(errors="replace").split())
         raise TransportError(f"{redact_url(url)}: HTTP {status}: {text or 'no /dump here'}")

@@ -298,7 +298,7 @@ class _RouterIndex:
     def open(cls, where: str | None, timeout: float) -> _RouterIndex | None:
         from pathlib import Path
 
-        from ..indexing import http_get, index_base_url, read_dump
+        from ..indexing import http_request, index_base_url, read_dump
         from ..redact import redact_url
 
         if where is None:
@@ -308,7 +308,7 @@ class _RouterIndex:
             index.blocks = index.parse(read_dump(Path(where)))
             return index
         base = index_base_url(where)
-        http_get(f"{base}/health", timeout)  # any answer will do: the index is there
+        http_request(f"{base}/health", timeout)  # any answer will do: the index is there
         return cls(redact_url(base), base, timeout)
 
     def parse(self, document: Any) -> dict[Any, Any]:
