@@ -27,11 +27,23 @@ Design choices (also in the rule table, :data:`RULES`):
   carry a type no producer sends into a malformed message (KV001, the field named), so live
   streams and new recordings report KV001; these rules still catch such events in recordings
   of older kvctl versions and in batches fed directly.
+- Router drift (KV501, KV502; ``router_view=True`` and :meth:`Checker.compare_router`): the
+  engines' truth is the cache model below (``StreamState``), device tier only; the router's
+  belief is a ``/dump`` (Dynamo's standalone indexer or ``kvctl index``). Blocks are compared
+  per (worker_id, dp_rank) by their place in the prefix tree: the chain of Dynamo
+  ``tokens_hash`` values from the first block to them, computed from the stream's token ids
+  as a router computes them (the dump carries them). Engine block hashes would mislead: where
+  two workers store the same tokens under different hashes, the router keeps the first
+  storer's hash for both. Only blocks a prefix match can reach are compared, on either side
+  (every block above them held by that worker): a block below a gap gives no cache hit, in
+  the engine or the router, and each side drops such blocks by its own rules (Dynamo ends
+  a worker's whole edge at a removal). A stored block without token ids (or block size) to
+  hash cannot be indexed by any router: it is reported missing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,11 +51,13 @@ from .events import (
     ALL_BLOCKS_CLEARED,
     BLOCK_REMOVED,
     BLOCK_STORED,
+    U64_MASK,
     Batch,
     present_hash,
 )
 from .sequence import DUPLICATE, GAP, RECOVERED, REORDER, RESTART, SequenceTracker
 from .state import (
+    DEVICE,
     DUPLICATE_STORE,
     INVALID_EVENT,
     PARENT_UNKNOWN,
@@ -52,6 +66,10 @@ from .state import (
     StreamState,
     WorkerKey,
     batch_time,
+    dynamo_worker_id,
+    event_local_hashes,
+    norm_hash,
+    tier_of_medium,
     worker_label,
 )
 
@@ -159,6 +177,18 @@ RULES: dict[str, Rule] = {
             ERROR,
             "an expected worker or source published nothing (--expect-workers, idle timeout)",
         ),
+        Rule(
+            "KV501",
+            "router-stale-block",
+            ERROR,
+            "the router's index (--against) holds a block the engine evicted or never stored",
+        ),
+        Rule(
+            "KV502",
+            "router-missing-block",
+            WARNING,
+            "the engine holds a block the router's index (--against) never learned",
+        ),
     )
 }
 
@@ -234,6 +264,8 @@ class Report:
     events: int
     workers: list[str]
     sources: list[str]
+    against: dict[str, Any] | None = None
+    """What the router's index was compared with, when it was (see ``compare_router``)."""
 
     def count(self, severity: str) -> int:
         return sum(r.count for r in self.results if r.rule.severity == severity)
@@ -260,6 +292,7 @@ class Report:
             "workers": self.workers,
             "sources": self.sources,
             "rules": [r.to_json() for r in self.results],
+            **({"against": self.against} if self.against is not None else {}),
         }
 
 
@@ -296,6 +329,7 @@ class Checker:
         report_all: bool = False,
         orphan_min: int = 16,
         orphan_ratio: float = 0.8,
+        router_view: bool = False,
     ) -> None:
         # imported by the checker, not the module: `kvctl check --help` lists the rules without
         # importing the codecs
@@ -320,6 +354,12 @@ class Checker:
         self._wc: dict[WorkerKey, _WorkerCheck] = {}
         self._silent_reported: set[str] = set()
         self._new: list[Finding] = []
+        self._locals: dict[WorkerKey, dict[Hashable, int | None]] | None = (
+            {} if router_view else None
+        )
+        """``router_view``: per worker, the Dynamo ``tokens_hash`` of each device-tier block
+        (None: no token ids to hash), for :meth:`compare_router`."""
+        self.against: dict[str, Any] | None = None
 
     # --- reporting -------------------------------------------------------------------------
 
@@ -330,6 +370,7 @@ class Checker:
         message: str,
         worker: WorkerKey | None = None,
         h: Any = None,
+        source: str = "",
     ) -> RuleResult:
         res = self.results.get(rule_id)
         if res is None:
@@ -343,7 +384,7 @@ class Checker:
                 rule.name,
                 rule.severity,
                 message,
-                batch.source if batch is not None else "",
+                batch.source if batch is not None else source,
                 batch.seq if batch is not None else None,
                 batch.ts if batch is not None else None,
                 worker_label(worker) if worker is not None else None,
@@ -396,6 +437,8 @@ class Checker:
             elif etype == BLOCK_REMOVED:
                 self._check_hashes(batch, ev.get("block_hashes"), key)
             found = state.apply_event(ev, key, t)
+            if self._locals is not None:
+                self._track_locals(ev, etype, key)
             if found:
                 for a in found:
                     self._anomaly(batch, a.kind, key, a.hash, a.detail, ev)
@@ -576,6 +619,91 @@ class Checker:
         if tracker.time_went_backwards(batch, irregularity):
             self._emit("KV305", batch, "batch timestamp earlier than the previous one")
 
+    # --- the router's index ---------------------------------------------------------------
+
+    def _track_locals(self, ev: dict, etype: Any, key: WorkerKey) -> None:
+        """Keep the ``tokens_hash`` of each device-tier block beside the cache model, as
+        ``StreamState`` keeps or drops the block."""
+        held_by = self._locals
+        assert held_by is not None
+        if etype == ALL_BLOCKS_CLEARED:  # every dp rank of the worker, as StreamState clears
+            for k in [k for k in held_by if k[0] == key[0]]:
+                del held_by[k]
+            return
+        hashes = ev.get("block_hashes")
+        if type(hashes) is not list:
+            return
+        held = held_by.get(key)
+        if held is None:
+            held = held_by[key] = {}
+        tier = ev.get("storage_tier") or tier_of_medium(ev.get("medium"))
+        if etype == BLOCK_REMOVED or tier != DEVICE:
+            for raw in hashes:
+                held.pop(norm_hash(raw), None)
+            return
+        size = ev.get("block_size")
+        if type(size) is not int or size < 1:
+            size = self.block_size  # a router hashes in its own block size
+        given = type(ev.get("tokens_hashes")) is list
+        hashed = event_local_hashes(ev, len(hashes), size or 1) if size or given else []
+        for i, raw in enumerate(hashes):
+            held[norm_hash(raw)] = hashed[i] if i < len(hashed) else None
+
+    def compare_router(
+        self, router: dict[WorkerKey, dict[Any, Hashable]], where: str
+    ) -> list[Finding]:
+        """KV501/KV502: the router's index (``dump_prefixes`` of the ``/dump`` fetched from or
+        read at ``where``) against the cache model now, per worker (see the module doc). Call
+        it once, after the last batch."""
+        assert self._locals is not None, "Checker(router_view=True) keeps what this needs"
+        self._new = []
+        engine: dict[WorkerKey, dict[Any, Hashable]] = {}
+        unhashed: set[tuple[WorkerKey, Hashable]] = set()
+        for key, cache in self.state.workers.items():
+            held = self._locals.get(key, {})
+            worker = (dynamo_worker_id(key[0]), key[1])
+            parents = {h: entry[0] for h, entry in cache.blocks.items() if h in held}
+            engine.setdefault(worker, {}).update(prefix_keys(parents, held))
+            unhashed.update((worker, h) for h in parents if held[h] is None)
+        for worker in sorted(set(router) | set(engine), key=lambda w: (str(w[0]), w[1])):
+            theirs, ours = router.get(worker, {}), engine.get(worker, {})
+            label = worker_label(worker)
+            for place, h in theirs.items():
+                if place not in ours:
+                    res = self._emit(
+                        "KV501",
+                        None,
+                        "the router's index holds this block; the engine evicted it"
+                        " (or never stored it in this stream)",
+                        worker,
+                        h,
+                        where,
+                    )
+                    _count_worker(res, label)
+            for place, h in ours.items():
+                if place not in theirs:
+                    why = (
+                        " (no token ids to hash: a router cannot index it)"
+                        if (worker, h) in unhashed
+                        else ""
+                    )
+                    res = self._emit(
+                        "KV502",
+                        None,
+                        f"the engine holds this block; the router's index does not{why}",
+                        worker,
+                        h,
+                        where,
+                    )
+                    _count_worker(res, label)
+        self.against = {
+            "index": where,
+            "workers": len(set(router) | set(engine)),
+            "router_blocks": sum(len(v) for v in router.values()),
+            "engine_blocks": sum(len(v) for v in engine.values()),
+        }
+        return self._new
+
     # --- silence ---------------------------------------------------------------------------
 
     @property
@@ -615,5 +743,96 @@ class Checker:
         self.check_silent(sources)
         results = [self.results[k] for k in sorted(self.results)]
         return Report(
-            results, self.batches, self.events, self.seen_workers, sorted(self.last_seen_ns)
+            results,
+            self.batches,
+            self.events,
+            self.seen_workers,
+            sorted(self.last_seen_ns),
+            self.against,
         )
+
+
+def _count_worker(res: RuleResult, label: str) -> None:
+    workers = res.details.setdefault("workers", {})
+    workers[label] = workers.get(label, 0) + 1
+
+
+_ROOT_PLACE = 0
+
+
+def prefix_keys(
+    parents: dict[Hashable, Hashable | None], local: dict[Hashable, int | None]
+) -> dict[Any, Hashable]:
+    """One worker's blocks (``parents``: block -> parent block, None at the first block) by
+    their place in the prefix tree, a key for the chain of ``tokens_hash`` values from the first
+    block to them -> the block. Blocks a prefix match cannot reach (an ancestor missing, a
+    parent cycle) are left out; a block without a ``tokens_hash`` gets a place of its own,
+    which no other block shares."""
+    places: dict[Hashable, Any] = {}  # block -> its place, None when unreachable
+    for block in parents:
+        path: list[Hashable] = []
+        seen: set[Hashable] = set()
+        cur: Hashable | None = block
+        base: Any = _ROOT_PLACE
+        while cur is not None:  # bounded: each block is visited once (``seen``)
+            if cur in places:
+                base = places[cur]
+                break
+            if cur not in parents or cur in seen:
+                base = None
+                break
+            seen.add(cur)
+            path.append(cur)
+            cur = parents[cur]
+        for node in reversed(path):
+            tokens = local.get(node)
+            if base is not None:
+                base = hash((base, tokens)) if tokens is not None else ("unhashed", node)
+            places[node] = base
+    return {place: block for block, place in places.items() if place is not None}
+
+
+def dump_prefixes(dump: Any) -> dict[WorkerKey, dict[Any, Hashable]]:
+    """The device-tier blocks a ``/dump`` (Dynamo's indexer's or ``kvctl index``'s: RouterEvents
+    per model) says each (worker_id, dp_rank) holds, keyed by place as :func:`prefix_keys`;
+    every model of the dump. ValueError names what is not a ``/dump``."""
+    from .formats.dynamo import router_event_to_event
+
+    if not isinstance(dump, dict):
+        raise ValueError("a /dump is a JSON object of models, {key: {block_size, events}}")
+    parents: dict[WorkerKey, dict[Hashable, Hashable | None]] = {}
+    local: dict[WorkerKey, dict[Hashable, int | None]] = {}
+    for model, body in dump.items():
+        events = body.get("events") if isinstance(body, dict) else None
+        if not isinstance(events, list):
+            raise ValueError(f"model {str(model)[:60]!r} has no events array")
+        for i, obj in enumerate(events):
+            try:
+                ev = router_event_to_event(obj)
+            except ValueError as exc:  # a DecodeError
+                raise ValueError(f"model {str(model)[:60]!r}, event {i}: {exc}") from None
+            if (ev.get("storage_tier") or DEVICE) != DEVICE:
+                continue
+            dp = ev.get("dp_rank")
+            worker = (dynamo_worker_id(ev.get("worker_id")), dp if type(dp) is int else 0)
+            try:
+                hash(worker)
+            except TypeError:
+                raise ValueError(f"model {str(model)[:60]!r}, event {i}: bad worker_id") from None
+            held, tokens = parents.setdefault(worker, {}), local.setdefault(worker, {})
+            etype, hashes = ev["type"], ev.get("block_hashes") or []
+            if etype == ALL_BLOCKS_CLEARED:
+                held.clear()
+                tokens.clear()
+            elif etype == BLOCK_REMOVED:
+                for raw in hashes:
+                    held.pop(norm_hash(raw), None)
+            else:
+                parent = ev.get("parent_block_hash")
+                above = None if parent is None else norm_hash(parent)
+                for raw, th in zip(hashes, ev.get("tokens_hashes") or [], strict=False):
+                    h = norm_hash(raw)
+                    held[h] = above
+                    tokens[h] = th & U64_MASK if type(th) is int else None
+                    above = h
+    return {w: prefix_keys(held, local[w]) for w, held in parents.items()}

@@ -419,6 +419,30 @@ def dynamo_block_hashes(
     return [digest(data[i : i + step], seed) for i in range(0, 4 * full, step)]
 
 
+def event_local_hashes(ev: Event, count: int, block_size: int) -> list[int]:
+    """The ``tokens_hash`` of the first ``count`` blocks a store names, as a router with blocks
+    of ``block_size`` tokens computes them: as a Dynamo event carries them, else of the
+    engine's ``token_ids``, block by block, ending at the first block without its full tokens.
+    Empty when the event's own ``block_size`` is another (Dynamo does not index it)."""
+    given = ev.get("tokens_hashes")
+    if type(given) is list:
+        return [h & U64_MASK if type(h) is int else 0 for h in given[:count]]
+    size = ev.get("block_size")
+    if size is not None and size != block_size:
+        return []
+    tokens = ev.get("token_ids")
+    if type(tokens) is not list:
+        return []
+    usable = min(count, len(tokens) // block_size)
+    lora = ev.get("lora_name")
+    try:
+        return dynamo_block_hashes(
+            tokens[: usable * block_size], block_size, lora if type(lora) is str else None
+        )
+    except ValueError:  # a token id no u32 holds: Dynamo cannot decode the event either
+        return []
+
+
 class _Node:
     """A node of the device tier's compressed prefix tree, as Dynamo 1.6 keeps it: an edge of
     blocks (``tokens_hash`` and the engine hash of the worker that first stored it), the
@@ -558,7 +582,7 @@ class RouterIndex:
             except ValueError as exc:
                 raise ValueError(f"event {i}: {exc}") from None
             dp = event.get("dp_rank")
-            worker = (_worker_id(event.get("worker_id")), dp if type(dp) is int else 0)
+            worker = (dynamo_worker_id(event.get("worker_id")), dp if type(dp) is int else 0)
             index.sources.setdefault(worker, "snapshot")
             index.apply_event(event, worker)
         return index
@@ -579,7 +603,7 @@ class RouterIndex:
             if type(ev) is not dict:
                 continue
             key = StreamState.event_key(ev, bkey)
-            worker = (_worker_id(key[0]), key[1])
+            worker = (dynamo_worker_id(key[0]), key[1])
             if worker not in self.sources:
                 self.sources[worker] = batch.source
             self.apply_event(ev, worker)
@@ -612,7 +636,7 @@ class RouterIndex:
         if etype == BLOCK_REMOVED:
             status = self.remove(worker, hashes, tier)
         else:
-            locals_ = self._local_hashes(ev, len(hashes))
+            locals_ = event_local_hashes(ev, len(hashes), self.block_size)
             if not locals_:
                 status = INVALID_BLOCK
             else:
@@ -624,28 +648,6 @@ class RouterIndex:
                 )
         self._count(name, tier, status)
         return status
-
-    def _local_hashes(self, ev: Event, count: int) -> list[int]:
-        """The blocks' ``tokens_hash``: as a Dynamo event carries them, else of the engine's
-        ``token_ids``, block by block, ending at the first block without its full tokens."""
-        given = ev.get("tokens_hashes")
-        if type(given) is list:
-            return [h & U64_MASK if type(h) is int else 0 for h in given[:count]]
-        size = ev.get("block_size")
-        if size is not None and size != self.block_size:
-            return []
-        tokens = ev.get("token_ids")
-        if type(tokens) is not list:
-            return []
-        size = self.block_size
-        usable = min(count, len(tokens) // size)
-        lora = ev.get("lora_name")
-        try:
-            return dynamo_block_hashes(
-                tokens[: usable * size], size, lora if type(lora) is str else None
-            )
-        except ValueError:  # a token id no u32 holds: Dynamo cannot decode the event either
-            return []
 
     def store(
         self, worker: IndexWorker, parent: Any, blocks: list[tuple[Any, int]], tier: str = DEVICE
@@ -949,7 +951,7 @@ class RouterIndex:
         return sorted(seen, key=lambda w: (str(w[0]), w[1]))
 
 
-def _worker_id(wid: Any) -> Any:
+def dynamo_worker_id(wid: Any) -> Any:
     """Dynamo's worker ids are integers: a label that reads as one is one."""
     if type(wid) is str and wid.isdigit():
         return int(wid)

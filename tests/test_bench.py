@@ -18,6 +18,8 @@ RUNS = {
     "record_sustained.py": ["--rate", "5000", "--seconds", "2", "--every", "1"],
     "replay_throughput.py": ["--batches", "300", "--rounds", "1"],
     "pacing.py": ["--seconds", "0.05", "--rounds", "1"],
+    "index.py": ["--workers", "2", "--requests", "50", "--rounds", "1", "--blocks", "3000"]
+    + ["--prompt-tokens", "2048", "--queries", "20"],
     "record_disk.py": ["--events", "3000", "--columns"],
     "record_disk.py --tokens random": ["--tokens", "random", "--batches", "300"],
     "sim_throughput.py": ["--workers", "2", "--requests", "50", "--repeat", "1"],

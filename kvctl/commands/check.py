@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..checks import ERROR, INFO, RULES, WARNING, Checker, Finding, Report
-from ..errors import ExitCode
+from ..errors import ExitCode, KvctlError
 from ..events import Batch
 from ..help import KvctlCommand
 from ..options import Sources, filter_options, limit_options, reporting, source_arguments
@@ -81,6 +81,23 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
                 console.print(f"  {escape(finding_line(f))}")
             if res.count > len(res.examples):
                 console.print(f"  [dim]{res.rule.id}: … {res.count - len(res.examples)} more[/]")
+    if report.against is not None:
+        a = report.against
+        drift = {
+            r.rule.id: r.details.get("workers", {})
+            for r in report.results
+            if r.rule.id in ("KV501", "KV502")
+        }
+        per_worker = "; ".join(
+            f"{rule} on {', '.join(f'{w}: {n}' for w, n in sorted(by.items()))}"
+            for rule, by in drift.items()
+        )
+        console.print(
+            f"Router index {escape(a['index'])}: {plural(a['router_blocks'], 'block')} it "
+            f"holds, {plural(a['engine_blocks'], 'block')} the engines hold, on "
+            f"{plural(a['workers'], 'worker')}: "
+            + (escape(per_worker) if per_worker else "no drift")
+        )
     verdict = "[bold red]FAIL[/]" if fail else "[bold green]OK[/]"
     workers = f": {escape(', '.join(report.workers))}" if 0 < len(report.workers) <= 8 else ""
     console.print(f"{verdict}: {counts}{workers}; stopped by {summary.stopped_by}")
@@ -124,6 +141,21 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
     metavar="N",
     help="Findings printed live and kept as examples, per rule.",
 )
+@click.option(
+    "--against",
+    metavar="URL|FILE",
+    help="Compare a router's index with the stream at the end of the run (KV501/KV502): "
+    "the /dump of Dynamo's standalone indexer or of kvctl index at URL, or a /dump saved in "
+    "FILE.",
+)
+@click.option(
+    "--against-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="With --against URL: give up on the index after this long (exit 1).",
+)
 @reporting("No live findings or summary on stderr.")
 def command(
     sources: Sources, selection: Filters, limits: Limits, out: Output, **params: Any
@@ -147,19 +179,30 @@ def command(
       kvctl check 0=tcp://10.0.0.1:5557 1=tcp://10.0.0.2:5557 --expect-workers 2 \\
           --idle-timeout 30 --json > report.json
       kvctl check nats://127.0.0.1:4222 --num-blocks 8192 --fail-on warning -c 100000
+      kvctl check 1=tcp://10.0.0.1:5557 2=tcp://10.0.0.2:5557 --idle-timeout 10 \\
+          --against http://127.0.0.1:8090
+      kvctl check run.parquet --against snapshot.json
+
+    --against compares what a router's index holds (its /dump, fetched when the run ends, or a
+    /dump FILE) with what the stream says each engine holds, per worker and dp rank: blocks
+    the router believes in that the engine evicted (KV501), blocks the engine holds that the
+    router never learned (KV502). Read the stream from the engines' start, and let a live
+    stream go quiet before the end (--idle-timeout): events still in flight show as drift.
     """
     from ..pipeline import Summary
     from ..session import live_addresses, on_interrupt, read
 
     quiet = out.quiet
     max_examples = params["max_examples"]
+    against = _RouterIndex.open(params["against"], params["against_timeout"])
     checker = Checker(
         block_size=params["block_size"],
         num_blocks=params["num_blocks"],
         expect_workers=params["expect_workers"],
         max_examples=max_examples,
+        router_view=against is not None,
     )
-    announced: set[str] = set()
+    printed: dict[str, int] = {}
     addresses: list[str] = []
 
     def say(findings: list[Finding]) -> None:
@@ -167,9 +210,9 @@ def command(
             return
         for f in findings:
             out.say(f"kvctl: {finding_line(f)}", _SEVERITY_STYLE.get(f.severity, ""))
-            res = checker.results.get(f.rule)
-            if res is not None and res.count >= max_examples and f.rule not in announced:
-                announced.add(f.rule)
+            # said after the last finding printed (the router comparison gives all at once)
+            printed[f.rule] = printed.get(f.rule, 0) + 1
+            if printed[f.rule] == max_examples:
                 out.say(f"kvctl: {f.rule}: further findings are counted, not printed", "dim")
 
     def consume(batch: Batch) -> None:
@@ -204,6 +247,13 @@ def command(
         if interrupted:
             summary.stopped_by = "interrupt"
         say(checker.check_silent(addresses))
+        if against is not None:
+            try:
+                say(against.compare(checker))
+            except KvctlError as exc:
+                if not interrupted:
+                    raise
+                out.say(f"kvctl: {exc}", "red")  # Ctrl-C: the report still comes
         found = checker.finish(addresses)
         fail = failed(found, params["fail_on"])
         code = ExitCode.INTERRUPTED if interrupted else ExitCode.FINDINGS if fail else ExitCode.OK
@@ -231,6 +281,53 @@ def command(
     out.say(f"kvctl: {summary.line()}", "dim")
     if fail:
         raise click.exceptions.Exit(int(ExitCode.FINDINGS))
+
+
+class _RouterIndex:
+    """``--against``: a running index (reached at the start, so that a wrong URL fails before
+    a long run; its ``/dump`` fetched when the run ends) or a ``/dump`` file (read at once)."""
+
+    def __init__(self, shown: str, base: str | None, timeout: float) -> None:
+        self.shown = shown
+        self.base = base
+        self.timeout = timeout
+        self.blocks: dict[Any, Any] | None = None
+        """A file's blocks per worker, read at the start."""
+
+    @classmethod
+    def open(cls, where: str | None, timeout: float) -> _RouterIndex | None:
+        from pathlib import Path
+
+        from ..indexing import http_request, index_base_url, read_dump
+        from ..redact import redact_url
+
+        if where is None:
+            return None
+        if "://" not in where:
+            index = cls(where, None, timeout)
+            index.blocks = index.parse(read_dump(Path(where)))
+            return index
+        base = index_base_url(where)
+        http_request(f"{base}/health", timeout)  # any answer will do: the index is there
+        return cls(redact_url(base), base, timeout)
+
+    def parse(self, document: Any) -> dict[Any, Any]:
+        from ..checks import dump_prefixes
+
+        try:
+            return dump_prefixes(document)
+        except ValueError as exc:
+            raise KvctlError(f"{self.shown}: not a /dump: {exc}") from None
+
+    def compare(self, checker: Checker) -> list[Finding]:
+        """KV501/KV502 findings: the index now (or the file) against the checker's model."""
+        from ..indexing import fetch_dump
+
+        blocks = self.blocks
+        if blocks is None:
+            assert self.base is not None
+            blocks = self.parse(fetch_dump(self.base, self.timeout))
+        return checker.compare_router(blocks, self.shown)
 
 
 # The rule table in --help too: one source of truth (kvctl.checks.RULES).
