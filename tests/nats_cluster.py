@@ -15,6 +15,7 @@ comma-joined string (``url``).
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import json
 import os
@@ -248,6 +249,21 @@ class NatsCluster:
         return "\n".join(
             f"--- {node.name} ({node.url}) log tail ---\n{node.log_tail()}" for node in self.nodes
         )
+
+
+async def wait_stream_current(js: Any, stream: str, timeout: float = 15) -> Any:
+    """Stream info (nats-py's) once the stream has a leader and every other replica is current
+    (caught up, as its leader sees it): a node restarted under writes lags a moment."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = await js.stream_info(stream)
+        if info.cluster and info.cluster.leader:
+            followers = info.cluster.replicas or []
+            expected = (info.config.num_replicas or 1) - 1
+            if len(followers) == expected and all(peer.current for peer in followers):
+                return info
+        assert time.monotonic() < deadline, f"stream {stream} not current in {timeout} s: {info}"
+        await asyncio.sleep(0.05)
 
 
 def _distinct_free_ports(count: int) -> list[int]:
