@@ -41,8 +41,6 @@ class Publishing:
 
     acked: int = 0
     duplicates: int = 0
-    first_refused: float | None = None
-    last_refused: float | None = None
     first_ack_after_refusal: float | None = None
     refusals: dict[str, int] = field(default_factory=dict)
 
@@ -61,17 +59,14 @@ async def publish_all(js, publishing: Publishing, per_message_deadline: float = 
                     headers={"Nats-Msg-Id": f"m-{i}"},
                 )
             except RETRYABLE as error:
-                now = time.monotonic()
-                if publishing.first_refused is None:
-                    publishing.first_refused = now
-                publishing.last_refused = now
                 name = type(error).__name__
                 publishing.refusals[name] = publishing.refusals.get(name, 0) + 1
-                assert now < deadline, f"message {i} refused for {per_message_deadline} s: {error}"
+                refused = f"message {i} refused for {per_message_deadline} s: {error!r}"
+                assert time.monotonic() < deadline, refused
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 0.5)
                 continue
-            if publishing.first_refused is not None and publishing.first_ack_after_refusal is None:
+            if publishing.refusals and publishing.first_ack_after_refusal is None:
                 publishing.first_ack_after_refusal = time.monotonic()
             publishing.duplicates += bool(ack.duplicate)
             publishing.acked += 1
