@@ -12,7 +12,7 @@ from typing import Any
 
 import nats
 import pytest
-from conftest import free_port, nats_server_binary
+from conftest import NatsServer, free_port, nats_server_binary
 from hypothesis import given
 from hypothesis import strategies as st
 from inprocess import Run, run_main
@@ -223,6 +223,22 @@ def test_unreachable_server_is_one_line():
     result = kvctl("info", url, "--name", "fleet", "--connect-timeout", "1")
     assert result.code == 1
     assert result.err == f"kvctl: {url}: cannot connect to NATS: connection refused\n"
+
+
+def test_credentials_as_every_command_and_no_password_shown(tmp_path):
+    server = NatsServer(tmp_path / "store", "--user", "kv", "--pass", "s3cret")
+    try:
+        args = ("--name", "fleet", "--partitions", "2")
+        made = kvctl("init", server.url, *args, "--nats-user", "kv", "--nats-password", "s3cret")
+        assert made.code == 0, made.err
+        refused = kvctl("info", server.url, "--name", "fleet")
+        assert refused.code == 1 and refused.err.count("\n") == 1
+        assert "authorization violation" in refused.err
+        wrong = f"nats://kv:wrong@127.0.0.1:{server.port}"
+        refused = kvctl("info", wrong, "--name", "fleet")
+        assert refused.code == 1 and "wrong" not in refused.err
+    finally:
+        server.stop()
 
 
 def test_jetstream_not_enabled_is_said(tmp_path):
