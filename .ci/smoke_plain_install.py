@@ -134,6 +134,7 @@ class Smoke:
             "top",
             "index",
             "query",
+            "stream",
         )
         out, _ = run("--help")
         missing = [c for c in commands if c not in out.decode()]

@@ -43,6 +43,8 @@ COMMANDS: dict[str, str] = {
     "NATS), in any producer's format, at the recorded pace, scaled, or at a fixed rate.",
     "simulate": "Run a synthetic engine fleet that publishes realistic KV-cache events.",
     "stats": "Summarise KV-event streams: per worker and overall.",
+    "stream": "Set up a fleet stream on NATS JetStream split into partitions by worker (`init`), "
+    "or show its partitions, consumers and their lag (`info`).",
     "tap": "Subscribe to KV-event streams and print every event.",
     "top": "Watch KV-event streams live: one row per worker, refreshed every second.",
 }

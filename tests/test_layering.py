@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "checks",
             "stats",
             "routing",
+            "partitions",
         ),
     ),
     ("transports", ("transports",)),

@@ -725,3 +725,82 @@ class Publisher:
             self._loop.call_soon_threadsafe(self._wake.set)
             self._done.wait(self.END_WAIT_S + 60)
         self._raise_if_failed()
+
+
+# --- JetStream stream management (kvctl stream) ---
+
+
+def servers_of(url: str) -> list[str]:
+    """``nats://a:4222,nats://b:4222`` as the list of servers nats-py connects to (it picks
+    one and fails over to the others)."""
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    if not servers:
+        raise UsageError(f"{url!r}: no NATS server (nats://HOST:PORT[,nats://HOST:PORT...])")
+    for server in servers:
+        if not server.startswith(("nats://", "tls://")):
+            raise UsageError(f"{redact_url(server)}: not a NATS URL (nats://HOST:PORT)")
+    return servers
+
+
+def run_jetstream(url: str, options: NatsOptions, work: Callable[[Any], Any]) -> Any:
+    """Connect to ``url`` (one server or a comma list), run ``await work(js)`` with its
+    JetStream context, disconnect; the result of ``work``. Every failure becomes one line
+    (:class:`TransportError`, or ``work``'s own :class:`KvctlError`), never a traceback."""
+    servers = servers_of(url)
+    shown = redact_url(url)
+
+    async def main() -> Any:
+        import nats
+        from nats.js import errors as js_errors
+
+        heard: list[str] = []
+
+        async def on_error(exc: Exception) -> None:  # nats-py would log a traceback
+            heard.append(describe(exc))
+
+        logging.getLogger("asyncio").setLevel(logging.ERROR)  # see Publisher._main
+        kwargs = options.connect_kwargs()
+        kwargs["allow_reconnect"] = False  # a short conversation: fail, do not wait
+        try:
+            nc = await nats.connect(servers=servers, error_cb=on_error, **kwargs)
+        except Exception as exc:
+            reason = heard[0] if heard else describe(exc)
+            raise TransportError(f"{shown}: cannot connect to NATS: {reason}") from None
+        try:
+            return await work(nc.jetstream(timeout=options.connect_timeout))
+        except js_errors.ServiceUnavailableError:
+            raise TransportError(
+                f"{shown}: JetStream is not enabled on this server or account "
+                "(nats-server -js, or the account's jetstream setting)"
+            ) from None
+        except js_errors.APIError as exc:
+            raise TransportError(f"{shown}: JetStream: {exc.description or exc}") from None
+        except asyncio.TimeoutError:
+            raise TransportError(
+                f"{shown}: JetStream did not answer within {options.connect_timeout:g} s"
+            ) from None
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 5)
+
+    return asyncio.run(main())
+
+
+async def stream_info_or_none(js: Any, name: str, subjects_filter: str | None = None) -> Any:
+    """The stream's ``StreamInfo``, or None when there is no such stream."""
+    from nats.js.errors import NotFoundError
+
+    try:
+        return await js.stream_info(name, subjects_filter=subjects_filter)
+    except NotFoundError:
+        return None
+
+
+async def all_consumers(js: Any, stream: str) -> list[Any]:
+    """Every consumer of ``stream`` (the server answers 256 at a time)."""
+    found: list[Any] = []
+    while True:
+        page = await js.consumers_info(stream, offset=len(found))
+        found.extend(page)
+        if not page:
+            return found
