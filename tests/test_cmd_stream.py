@@ -4,18 +4,22 @@ the partition function checked against the server's own subject mapping."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import subprocess
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
+import nats.errors
 import pytest
 from conftest import NatsServer, free_port, nats_server_binary
 from hypothesis import given
 from hypothesis import strategies as st
 from inprocess import Run, run_main
+from nats_cluster import nats_cluster_fixture  # noqa: F401 (pytest finds it by name)
 
 from kvctl.partitions import (
     StreamLayout,
@@ -304,3 +308,41 @@ def test_more_replicas_than_one_server_has_is_the_server_s_refusal(nats_server):
     result = kvctl("init", nats_server.url, "--name", name, "--partitions", "2", "--replicas", "3")
     assert result.code == 2 and result.err.count("\n") == 1
     assert f"stream {name}: replicas > 1 not supported in non-clustered mode" in result.err
+
+
+async def stream_leader_elected(js: Any, stream: str, lost: str, timeout: float = 20) -> None:
+    """Until the stream has a leader other than the lost node (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(nats.errors.Error):
+            info = await js.stream_info(stream)
+            if info.cluster and info.cluster.leader not in (None, lost):
+                return
+        assert time.monotonic() < deadline, f"no leader for {stream} within {timeout} s"
+        await asyncio.sleep(0.05)
+
+
+def test_an_r3_stream_on_a_cluster_survives_a_node(nats_cluster):
+    """The issue's deployment: a replicated stream on three servers, reached through a server
+    list; with the first server of the list killed, once the cluster has elected new leaders
+    (several seconds, during which JetStream does not answer), `info` answers through the
+    others."""
+    name = stream_name()
+    made = kvctl("init", nats_cluster.url, "--name", name, "--partitions", "4", "--replicas", "3")
+    assert made.code == 0, made.err
+    info = kvctl("info", nats_cluster.url, "--name", name, "--json")
+    assert info.code == 0, info.err
+    first = json.loads(info.out)
+    assert first["replicas"] == 3
+    nats_cluster.kill(0)  # the first server of the list
+    try:
+        nats_cluster.wait_healthy()
+        on_server(
+            nats_cluster.urls[1],
+            lambda js: stream_leader_elected(js, name, nats_cluster.nodes[0].name),
+        )
+        again = kvctl("info", nats_cluster.url, "--name", name, "--json")
+        assert again.code == 0, again.err
+        assert json.loads(again.out)["replicas"] == 3
+    finally:
+        nats_cluster.restart(0)
