@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from urllib.parse import unquote
 
+from .text import parse_duration
+
 PREFIX = "kvctl"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _FNV32_OFFSET = 0x811C9DC5
@@ -136,15 +138,13 @@ class StreamSettings:
         return [f"{what} {has} (asked {asked})" for what, has, asked in pairs if has != asked]
 
 
-_AGE_UNITS: dict[str, float] = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
 def parse_age(text: str) -> float:
-    """``--max-age``: seconds, or a number with s, m, h or d; 0 for no limit."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]?)\s*", text)
-    if not match or match.group(2).lower() not in _AGE_UNITS:
-        raise ValueError(f"{text!r} is not a duration (e.g. 30d, 12h, 90m, 0 for no limit)")
-    return float(match.group(1)) * _AGE_UNITS[match.group(2).lower()]
+    """``--max-age``: a duration (:func:`~kvctl.text.parse_duration`); 0 for no limit."""
+    try:
+        return parse_duration(text)
+    except ValueError:
+        example = "e.g. 30d, 12h, 90m, 0 for no limit"
+        raise ValueError(f"{text!r} is not a duration ({example})") from None
 
 
 def describe_age(seconds: float) -> str:

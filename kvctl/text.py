@@ -3,6 +3,8 @@ print it are made by :class:`kvctl.output.Output`.)"""
 
 from __future__ import annotations
 
+import re
+
 _IRREGULAR = {"reply": "replies", "is": "are", "was": "were"}
 
 CLOSING_WORDS = "kvctl.closing_words"
@@ -24,3 +26,15 @@ def noun_for(n: int, noun: str, many: str | None = None) -> str:
     if many or noun in _IRREGULAR:
         return many or _IRREGULAR[noun]
     return noun + ("es" if noun.endswith(("s", "sh", "ch", "x", "z")) else "s")
+
+
+DURATION_UNITS: dict[str, float] = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``90s``, ``5m``, ``12h`` or ``7d`` (a fraction allowed: ``1.5h``);
+    ValueError for anything else."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]?)\s*", text)
+    if not match or match.group(2).lower() not in DURATION_UNITS:
+        raise ValueError(f"{text!r} is not a duration (e.g. 90s, 5m, 12h, 7d)")
+    return float(match.group(1)) * DURATION_UNITS[match.group(2).lower()]

@@ -17,10 +17,9 @@ from ..help import KvctlCommand
 from ..options import Sources, filter_options, limit_options, reporting, source_arguments
 from ..pipeline import Emptied, Gap, Item, Malformed, Narrowed
 from ..selection import Filters, Limits
-from ..text import plural
+from ..text import parse_duration, plural
 
 _SIZE_UNITS: dict[str, float] = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_TIME_UNITS: dict[str, float] = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 if TYPE_CHECKING:
     from ..output import Output
@@ -33,6 +32,18 @@ def _parse(value: str | None, units: dict[str, float], what: str) -> float | Non
     if not match or match.group(2).lower() not in units or float(match.group(1)) <= 0:
         raise click.BadParameter(f"{value!r} is not a {what}")
     return float(match.group(1)) * units[match.group(2).lower()]
+
+
+def _interval(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = parse_duration(value)
+    except ValueError:
+        seconds = 0
+    if seconds <= 0:
+        raise click.BadParameter(f"{value!r} is not a time interval (e.g. 5m)")
+    return seconds
 
 
 @click.command("record", cls=KvctlCommand)
@@ -100,7 +111,7 @@ def command(
     from ..session import on_interrupt, open_source
 
     rotate_size = _parse(params["rotate_size"], _SIZE_UNITS, "size (e.g. 512M)")
-    rotate_every = _parse(params["rotate_every"], _TIME_UNITS, "time interval (e.g. 5m)")
+    rotate_every = _interval(params["rotate_every"])
     segmented = rotate_size is not None or rotate_every is not None
     if params["append"] and not segmented:
         raise UsageError(
