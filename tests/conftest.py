@@ -40,6 +40,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_dynamo_indexer(
+    workers: list[str], block_size: int, log: str = "error"
+) -> tuple[subprocess.Popen[bytes], str]:
+    """NVIDIA Dynamo's standalone indexer (the `interop` extra) over ZMQ engines labelled
+    ``WORKER[:DP]=tcp://...``, on a free port: the process and its base URL. The caller
+    terminates it."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynamo.indexer", "--block-size", str(block_size)]
+        + ["--port", str(port), "--workers", ",".join(workers)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "DYN_LOG": log},
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
 @pytest.fixture
 def endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"

@@ -6,9 +6,7 @@ injected blocks must be reported, per worker; a clean comparison reports nothing
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 import urllib.error
 
@@ -22,6 +20,7 @@ from conftest import (
     read_until,
     removed,
     run_kvctl,
+    start_dynamo_indexer,
     start_kvctl,
     stored,
 )
@@ -266,15 +265,7 @@ def test_dynamos_indexer_fed_the_same_stream_is_in_step(fleet):
     pytest.importorskip("dynamo.llm", reason="ai-dynamo-runtime is not installable here")
     base = free_port_range(WORKERS)
     labels = [f"{i}=tcp://127.0.0.1:{base + i}" for i in range(WORKERS)]
-    port = free_port()
-    dynamo = subprocess.Popen(
-        [sys.executable, "-m", "dynamo.indexer", "--block-size", "16", "--port", str(port)]
-        + ["--workers", ",".join(labels)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "DYN_LOG": "warn"},
-    )
-    url = f"http://127.0.0.1:{port}"
+    dynamo, url = start_dynamo_indexer(labels, 16, log="warn")
     total = sum(map(len, held(fleet).values()))
     try:
         args = ["replay", fleet, "--to", f"tcp://127.0.0.1:{base}", "--port-per-worker"]

@@ -7,16 +7,21 @@ ai-dynamo-runtime cannot be installed (the `interop` extra ships wheels for Linu
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
-from conftest import finish, free_port, free_port_range, interrupt, read_until, start_kvctl
+from conftest import (
+    finish,
+    free_port,
+    free_port_range,
+    interrupt,
+    read_until,
+    start_dynamo_indexer,
+    start_kvctl,
+)
 from test_index import T, chains, remove, store
 
 from kvctl.recording.source import RecordingSource
@@ -87,17 +92,9 @@ def test_kvctl_index_answers_as_dynamos_indexer(tmp_path, feed):
 
     base = free_port_range(WORKERS)
     labels = [f"{i}=tcp://127.0.0.1:{base + i}" for i in range(WORKERS)]
-    dynamo_port = free_port()
-    dynamo = subprocess.Popen(
-        [sys.executable, "-m", "dynamo.indexer", "--block-size", "16", "--port", str(dynamo_port)]
-        + ["--workers", ",".join(labels)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "DYN_LOG": "warn"},
-    )
+    dynamo, theirs = start_dynamo_indexer(labels, 16, log="warn")
     kvctl = start_kvctl("index", *labels, "--port", "0", "--json", "-q")
     ours = json.loads(read_until(kvctl.stdout, '"serving"')[-1])["serving"]
-    theirs = f"http://127.0.0.1:{dynamo_port}"
     try:
         if feed == "simulate":
             args = ["simulate", *common, "--base-port", str(base), "--wait-subscribers", "2"]
@@ -249,17 +246,9 @@ def run_against_dynamo(phases, queries, workers=("0", "1", "2")) -> None:
     ports = [free_port() for _ in workers]
     labels = [f"{w}=tcp://127.0.0.1:{p}" for w, p in zip(workers, ports, strict=True)]
     engines = [Engine(f"tcp://127.0.0.1:{p}") for p in ports]
-    dynamo_port = free_port()
-    dynamo = subprocess.Popen(
-        [sys.executable, "-m", "dynamo.indexer", "--block-size", "4", "--port", str(dynamo_port)]
-        + ["--workers", ",".join(labels)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "DYN_LOG": "error"},
-    )
+    dynamo, theirs = start_dynamo_indexer(labels, 4)
     kvctl = start_kvctl("index", *labels, "--block-size", "4", "--port", "0", "--json", "-q")
     ours = json.loads(read_until(kvctl.stdout, '"serving"')[-1])["serving"]
-    theirs = f"http://127.0.0.1:{dynamo_port}"
     try:
         for e in engines:
             e.wait_for(2)

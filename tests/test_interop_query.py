@@ -5,14 +5,11 @@ Skipped, with the reason printed, only where ai-dynamo-runtime cannot be install
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
-from conftest import Engine, free_port, stored
+from conftest import Engine, free_port, start_dynamo_indexer, stored
 from inprocess import run_main
 from test_cmd_query import one_line_error, tiny_tokenizer
 
@@ -41,11 +38,9 @@ def blocks(hashes, parent, first, medium="GPU"):
     }
 
 
-def post_query(port: int, token_ids: list[int]) -> dict:
+def post_query(url: str, token_ids: list[int]) -> dict:
     body = json.dumps({"token_ids": token_ids, "model_name": "default"}).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/query", body, {"Content-Type": "application/json"}
-    )
+    request = urllib.request.Request(f"{url}/query", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=5) as response:
         return json.loads(response.read())
 
@@ -55,16 +50,9 @@ def index_url():
     """Dynamo's indexer over three workers: 1 holds the prompt's first 2 blocks on GPU and the
     next 2 in CPU memory, 2 holds the first 3 on GPU, 3 holds nothing."""
     ports = [free_port() for _ in range(3)]
-    http = free_port()
     engines = [Engine(f"tcp://127.0.0.1:{port}") for port in ports]
-    workers = ",".join(f"{i + 1}=tcp://127.0.0.1:{port}" for i, port in enumerate(ports))
-    indexer = subprocess.Popen(
-        [sys.executable, "-m", "dynamo.indexer", "--block-size", str(BLOCK), "--port", str(http)]
-        + ["--workers", workers],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "DYN_LOG": "error"},
-    )
+    workers = [f"{i + 1}=tcp://127.0.0.1:{port}" for i, port in enumerate(ports)]
+    indexer, url = start_dynamo_indexer(workers, BLOCK)
     try:
         for engine in engines:
             engine.wait_for(1, timeout=60)
@@ -79,11 +67,11 @@ def index_url():
         while seen != expected:  # the indexer applies events asynchronously: poll, bounded
             assert time.monotonic() < deadline, f"Dynamo's indexer answered {seen}"
             try:
-                seen = post_query(http, PROMPT)["instances"]
+                seen = post_query(url, PROMPT)["instances"]
             except OSError:
                 seen = {}
             time.sleep(0.1)
-        yield f"http://127.0.0.1:{http}"
+        yield url
     finally:
         indexer.terminate()
         indexer.wait(10)
