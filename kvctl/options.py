@@ -445,6 +445,20 @@ def reporting(quiet_help: str, json_option: F = json_report_option) -> Callable[
 report_options = reporting("No progress, diagnostics or report on stderr.")
 
 
+def index_timeout_option(url_option: str) -> Any:
+    """How long a command waits on a router's index over HTTP (each request), named after the
+    option that gives the index's URL: ``--index-timeout``, ``--against-timeout``."""
+    return click.option(
+        f"{url_option}-timeout",
+        "index_timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=10.0,
+        show_default=True,
+        metavar="SECONDS",
+        help=f"With {url_option} URL: give up on the index after this long (exit 1).",
+    )
+
+
 def _until(ctx: click.Context, param: click.Parameter, value: str | None) -> Until | None:
     if value is None:
         return None

@@ -46,7 +46,7 @@ def test_an_index_that_never_answers_is_given_up_after_timeout():
 
     with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never answers
         port = silent.getsockname()[1]
-        args = ("--index", f"http://127.0.0.1:{port}", "--tokens", "1", "--timeout", "0.3")
+        args = ("--index", f"http://127.0.0.1:{port}", "--tokens", "1", "--index-timeout", "0.3")
         one_line_error(query(*args), ExitCode.ERROR, "no answer within 0.3 s")
 
 

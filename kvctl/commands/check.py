@@ -13,7 +13,14 @@ from ..checks import ERROR, INFO, RULES, WARNING, Checker, Finding, Report
 from ..errors import ExitCode, KvctlError
 from ..events import Batch
 from ..help import KvctlCommand
-from ..options import Sources, filter_options, limit_options, reporting, source_arguments
+from ..options import (
+    Sources,
+    filter_options,
+    index_timeout_option,
+    limit_options,
+    reporting,
+    source_arguments,
+)
 from ..redact import shown_sources
 from ..selection import Filters, Limits
 from ..text import plural
@@ -148,14 +155,7 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
     "the /dump of Dynamo's standalone indexer or of kvctl index at URL, or a /dump saved in "
     "FILE.",
 )
-@click.option(
-    "--against-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=10.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="With --against URL: give up on the index after this long (exit 1).",
-)
+@index_timeout_option("--against")
 @reporting("No live findings or summary on stderr.")
 def command(
     sources: Sources, selection: Filters, limits: Limits, out: Output, **params: Any
@@ -194,7 +194,7 @@ def command(
 
     quiet = out.quiet
     max_examples = params["max_examples"]
-    against = _RouterIndex.open(params["against"], params["against_timeout"])
+    against = _RouterIndex.open(params["against"], params["index_timeout"])
     checker = Checker(
         block_size=params["block_size"],
         num_blocks=params["num_blocks"],

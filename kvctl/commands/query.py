@@ -10,7 +10,7 @@ import click
 
 from ..errors import KvctlError, UsageError
 from ..help import KvctlCommand
-from ..options import limit_options, reporting, until_option
+from ..options import index_timeout_option, limit_options, reporting, until_option
 from ..redact import redact_url
 from ..routing import (
     POLICIES,
@@ -177,14 +177,7 @@ def _knob(flag: str, default: float, help_text: str) -> Any:
     is_flag=True,
     help="Print each policy's formula with every worker's numbers.",
 )
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=5.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="Give up on the index after this long (exit 1).",
-)
+@index_timeout_option("--index")
 @reporting("No notes on stderr (errors are still shown).")
 def command(
     sources: tuple[str, ...],
@@ -216,7 +209,7 @@ def command(
     llmd_cpu_weight: float,
     llmd_storage_weight: float,
     explain: bool,
-    timeout: float,
+    index_timeout: float,
     out: Output,
 ) -> None:
     """Ask a prefix index which workers hold a prompt, and explain where each routing policy
@@ -258,7 +251,7 @@ def command(
         if until is not None:
             raise UsageError("--until builds an index from recordings: give them as SOURCEs")
         overlaps, block_size, known, base = ask_index(
-            index, token_ids, model_name, lora_name, block_size, timeout, notes
+            index, token_ids, model_name, lora_name, block_size, index_timeout, notes
         )
         where = {"index": base}
     explanation = explain_prompt(
