@@ -154,3 +154,139 @@ def describe_age(seconds: float) -> str:
         if seconds >= size and seconds % size == 0:
             return f"{seconds / size:g}{unit}"
     return f"{seconds:g}s"
+
+
+# --- the fleet message: one engine message inside a stream ------------------------------------
+#
+# A bridge publishes each message it receives, and each gap it could not repair, as one
+# JetStream message; a partitioned recorder turns it back into the journal row the bridge
+# would have written itself. Nothing is decoded on the way: the body is the message's raw
+# transport frames, byte for byte, so a recording made downstream is byte-exact.
+
+MSG_ID = "Nats-Msg-Id"
+"""JetStream drops a message whose id it stored within the stream's duplicate window."""
+HEADER_RECV_NS = "Kvctl-Recv-Ns"
+HEADER_SOURCE = "Kvctl-Source"
+HEADER_TOPIC = "Kvctl-Topic"
+HEADER_WORKER = "Kvctl-Worker"
+"""The source's worker label (tagged JSON, as the journal keeps it); absent: none."""
+HEADER_DP_RANK = "Kvctl-Dp-Rank"
+HEADER_RECOVERED = "Kvctl-Recovered"
+HEADER_GAP = "Kvctl-Gap"
+"""On a gap marker (empty body): JSON ``{"publisher": ..., "from_seq": N, "to_seq": M}``."""
+HEADER_BRIDGE = "Kvctl-Bridge"
+"""Which bridge published it (host:pid), for the people reading ``nats stream view``."""
+
+_HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in "%")
+
+
+def header_text(value: str) -> str:
+    """A header value: printable ASCII but space as is, the rest %-escaped (reversible; NATS
+    trims the whitespace around a header value)."""
+    from urllib.parse import quote
+
+    return quote(value, safe=_HEADER_SAFE)
+
+
+def header_value(text: str) -> str:
+    return unquote(text)
+
+
+def partition_key(worker_id: object, source: str) -> str:
+    """What a message is partitioned by: the worker its batch names (a source label, a
+    Dynamo ``worker_id``), else the source it came from (one unlabelled engine socket is one
+    worker). All of one worker's messages, over every dp rank, land in one partition."""
+    return source if worker_id is None else str(worker_id)
+
+
+def message_id(key: str, dp_rank: int | None, seq: int | None, body: bytes) -> str:
+    """``{publisher}:{seq}:{digest}``: the same engine message re-sent (a bridge restarted and
+    fetched it again from the engine's replay socket) has the same id and is stored once; an
+    engine that restarted and counts its seqs from 0 again sends other bytes, so its messages
+    are not mistaken for re-sends within the duplicate window."""
+    import xxhash
+
+    publisher = worker_token(key) + ("" if dp_rank is None else f"/{dp_rank}")
+    return f"{publisher}:{'-' if seq is None else seq}:{xxhash.xxh3_64_hexdigest(body)}"
+
+
+@dataclass(frozen=True)
+class FleetMessage:
+    """One message of a fleet stream, as the journal row it stands for."""
+
+    recv_ns: int
+    source: str
+    topic: str
+    frames: list[bytes]
+    worker: str | None = None
+    """The source's worker label, tagged JSON (``0``, ``"w1"``); None: unlabelled."""
+    dp_rank: str | None = None
+    """The source's dp rank label, tagged JSON; None: none."""
+    recovered: bool = False
+    gap: dict | None = None
+    """A gap marker's fields (publisher, from_seq, to_seq); then ``frames`` is empty."""
+
+    def headers(self) -> dict[str, str]:
+        headers = {
+            HEADER_RECV_NS: str(self.recv_ns),
+            HEADER_SOURCE: header_text(self.source),
+            HEADER_TOPIC: header_text(self.topic),
+        }
+        if self.worker is not None:
+            headers[HEADER_WORKER] = header_text(self.worker)
+        if self.dp_rank is not None:
+            headers[HEADER_DP_RANK] = header_text(self.dp_rank)
+        if self.recovered:
+            headers[HEADER_RECOVERED] = "1"
+        if self.gap is not None:
+            import json
+
+            headers[HEADER_GAP] = header_text(json.dumps(self.gap, separators=(",", ":")))
+        return headers
+
+    def body(self) -> bytes:
+        """The raw frames as one msgpack array of binaries (empty for a gap marker)."""
+        import msgpack
+
+        return b"" if self.gap is not None else msgpack.packb([bytes(f) for f in self.frames])
+
+    @classmethod
+    def parse(cls, headers: dict[str, str] | None, body: bytes) -> FleetMessage:
+        """The message a bridge published; ValueError (saying why) for anything else."""
+        import json
+
+        import msgpack
+
+        headers = headers or {}
+        try:
+            recv_ns = int(headers[HEADER_RECV_NS])
+            source = header_value(headers[HEADER_SOURCE])
+            topic = header_value(headers.get(HEADER_TOPIC, ""))
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"not a kvctl fleet message (header {exc})") from None
+        worker = headers.get(HEADER_WORKER)
+        dp_rank = headers.get(HEADER_DP_RANK)
+        recovered = headers.get(HEADER_RECOVERED) == "1"
+        if HEADER_GAP in headers:
+            try:
+                gap = json.loads(header_value(headers[HEADER_GAP]))
+            except ValueError:
+                raise ValueError("a gap marker whose Kvctl-Gap header is not JSON") from None
+            if not isinstance(gap, dict) or not {"from_seq", "to_seq"} <= gap.keys():
+                raise ValueError("a gap marker without from_seq/to_seq")
+            return cls(recv_ns, source, topic, [], None, None, False, gap)
+        try:
+            frames = msgpack.unpackb(body, use_list=True, raw=True)
+        except Exception:
+            raise ValueError("a body that is not a msgpack array of frames") from None
+        if not isinstance(frames, list) or not all(type(f) is bytes for f in frames):
+            raise ValueError("a body that is not a msgpack array of frames")
+        return cls(
+            recv_ns,
+            source,
+            topic,
+            frames,
+            None if worker is None else header_value(worker),
+            None if dp_rank is None else header_value(dp_rank),
+            recovered,
+        )

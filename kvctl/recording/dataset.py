@@ -1,0 +1,142 @@
+"""What a dataset looks like: the segments partitioned recorders write (``kvctl record
+nats://... --stream NAME --partition I/N -o DIR``), their names, directories and where they
+live (a local directory or ``s3://bucket/prefix``). Shared by the writer, which names segments,
+and the readers, which find and select them; no segment is read or written here.
+
+Layouts of ``DIR``::
+
+    flat: DIR/STREAM.pPP.FIRST-LAST.parquet
+    hive: DIR/dt=YYYY-MM-DD/hour=HH/part=PP/STREAM.pPP.FIRST-LAST.parquet
+
+``FIRST``-``LAST`` is the range of stream sequence numbers the segment holds (JetStream's, of
+the stream ``STREAM``), ``PP`` the partition. A segment is written to a hidden temp name and
+renamed into place once complete (on S3, where there is no rename, an object appears only when
+its upload completes), and only then are its messages acknowledged: the highest ``LAST`` of a
+partition is where its recorder resumes. Several recorders may share one ``DIR``: their names
+never collide. ``dt``/``hour`` are the UTC receive time of the segment's messages (a recorder
+cuts its segments at hour boundaries). Readers skip every name starting with ``.`` or ``_``,
+as Hive, Spark, DuckDB and pyarrow do.
+
+pyarrow is imported at module level: import this module only from code that reads or writes
+recordings.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+
+LAYOUTS = ("flat", "hive")
+SEGMENT_NAME = re.compile(
+    r"^(?P<stream>[A-Za-z0-9_-]{1,64})\.p(?P<partition>\d+)\.(?P<first>\d+)-(?P<last>\d+)\.parquet$"
+)
+HIVE_DIRS = re.compile(r"^dt=\d{4}-\d{2}-\d{2}/hour=\d{2}/part=(?P<partition>\d+)$")
+_SEQ_DIGITS = 12
+"""Sequence numbers are zero-padded so that names sort in stream order (longer still parse)."""
+
+
+@dataclass(frozen=True, order=True)
+class Segment:
+    """One segment's name, parsed: stream, partition, and the stream seqs it holds."""
+
+    stream: str
+    partition: int
+    first: int
+    last: int
+
+    @property
+    def file_name(self) -> str:
+        return (
+            f"{self.stream}.p{self.partition:02d}."
+            f"{self.first:0{_SEQ_DIGITS}d}-{self.last:0{_SEQ_DIGITS}d}.parquet"
+        )
+
+    @classmethod
+    def parse(cls, name: str) -> Segment | None:
+        match = SEGMENT_NAME.match(name)
+        if match is None:
+            return None
+        first, last = int(match["first"]), int(match["last"])
+        if first > last:
+            return None
+        return cls(match["stream"], int(match["partition"]), first, last)
+
+
+def partition_dir(partition: int) -> str:
+    return f"part={partition:02d}"
+
+
+def segment_path(layout: str, segment: Segment, recv_ns: int) -> str:
+    """The segment's path relative to the dataset root (``/``-separated)."""
+    if layout == "flat":
+        return segment.file_name
+    if layout != "hive":
+        raise ValueError(f"unknown layout {layout!r} (one of {', '.join(LAYOUTS)})")
+    when = datetime.datetime.fromtimestamp(recv_ns / 1e9, tz=datetime.timezone.utc)
+    return (
+        f"dt={when:%Y-%m-%d}/hour={when:%H}/{partition_dir(segment.partition)}/{segment.file_name}"
+    )
+
+
+def hour_of(recv_ns: int) -> int:
+    """The UTC hour (since the epoch) a receive time falls in: segments do not span two."""
+    return recv_ns // 3_600_000_000_000
+
+
+def temp_path(path: str) -> str:
+    """Where a segment is written before it is renamed to ``path`` (hidden: no reader sees
+    it; one per process, so two writers never share one)."""
+    head, _, name = path.rpartition("/")
+    return f"{head}/.{name}.tmp-{os.getpid()}" if head else f".{name}.tmp-{os.getpid()}"
+
+
+def is_remote(location: str) -> bool:
+    return location.startswith("s3://")
+
+
+def open_root(location: str) -> tuple[pafs.FileSystem, str]:
+    """The file system and root path of a dataset location: a local directory, or
+    ``s3://bucket/prefix`` (pyarrow's S3 file system: credentials, region and endpoint from
+    the usual AWS environment variables and files, or ``?endpoint_override=...`` in the
+    URL)."""
+    if is_remote(location):
+        fs, root = pafs.FileSystem.from_uri(location)
+        return fs, root.rstrip("/")
+    return pafs.LocalFileSystem(), os.path.abspath(location)
+
+
+def _hidden(relative: str) -> bool:
+    return any(part.startswith((".", "_")) for part in relative.split("/"))
+
+
+def list_segments(fs: pafs.FileSystem, root: str) -> list[tuple[str, Segment]]:
+    """Every segment under ``root`` (any depth, either layout) as ``(path, Segment)``, in
+    (stream, partition, first seq) order; hidden names and files of other names are skipped."""
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+    except FileNotFoundError:
+        return []
+    found = []
+    for info in infos:
+        if info.type != pafs.FileType.File:
+            continue
+        relative = info.path[len(root) :].lstrip("/")
+        if _hidden(relative):
+            continue
+        segment = Segment.parse(info.base_name)
+        if segment is not None:
+            found.append((info.path, segment))
+    found.sort(key=lambda pair: pair[1])
+    return found
+
+
+def committed_through(segments: list[tuple[str, Segment]], stream: str, partition: int) -> int:
+    """The last stream seq of ``stream``'s ``partition`` that a segment holds (0: none)."""
+    return max(
+        (s.last for _, s in segments if s.stream == stream and s.partition == partition),
+        default=0,
+    )
