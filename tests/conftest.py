@@ -365,3 +365,72 @@ def serve_replays_until(replay, done: Callable[[], bool], timeout: float = 15) -
     while not done() and time.monotonic() < deadline:
         if replay.socket.poll(50):  # a request, or after 50 ms a look at done()
             replay.serve_pending()
+
+
+class S3Server:
+    """A local S3 server (moto's server mode, from the test extra) on 127.0.0.1, with one
+    bucket. kvctl reaches it as a user would reach any S3-compatible store: through the AWS
+    environment variables (``env``), which pyarrow's S3 file system reads."""
+
+    BUCKET = "kvctl-tests"
+
+    def __init__(self) -> None:
+        moto = Path(sys.executable).parent / "moto_server"
+        if not moto.exists():
+            pytest.skip("moto_server not installed (the test extra's moto[server])")
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [str(moto), "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.env = {
+            "AWS_ACCESS_KEY_ID": "kvctl",
+            "AWS_SECRET_ACCESS_KEY": "kvctl",
+            "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("moto_server exited at start")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    break
+            except OSError:
+                time.sleep(0.05)  # no readiness signal other than the port accepting
+        else:
+            self.stop()
+            raise RuntimeError("moto_server did not start within 20 s")
+        import pyarrow.fs as pafs
+
+        admin = pafs.S3FileSystem(
+            endpoint_override=self.endpoint,
+            access_key="kvctl",
+            secret_key="kvctl",
+            region="us-east-1",
+            allow_bucket_creation=True,
+        )
+        admin.create_dir(self.BUCKET)
+        self.filesystem = admin
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.BUCKET}/{prefix}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A local S3 server; a test sets its ``env`` (monkeypatch.setenv) for kvctl to use it."""
+    server = S3Server()
+    yield server
+    server.stop()
