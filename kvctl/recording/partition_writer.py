@@ -1,0 +1,442 @@
+"""Segments of a partitioned recorder (``kvctl record nats://... --stream NAME``): the fleet
+messages of one stream partition, buffered as journal rows, cut into segments and written as
+Parquet into a dataset (:mod:`kvctl.recording.dataset`). Knows no sockets: the command feeds
+it what the JetStream transport delivered and acks what it says is committed.
+
+"The stream is the journal": nothing is journalled locally. A partition's messages are kept
+in memory as journal rows (:class:`~kvctl.recording.journal.RowBuffer`: per message a fields
+tuple and its raw frames, no per-event decoding) until the segment is cut: on size, on a clock
+boundary of the rotation interval, when the UTC hour of the receive time changes (a hive file
+lies in one ``dt=/hour=`` directory) and at exit. A cut segment is decoded by the recording
+converter (:class:`~kvctl.recording.convert.Decoder`, as a journal's rows are), sorted by
+(worker_id, dp_rank, seq) (stable: equal keys keep stream order), written to a hidden temp
+name, fsynced, renamed into place, its directory fsynced; only then does the command ack its
+messages. A recorder killed between the rename and the ack resumes after the last segment on
+disk and skips what the stream delivers again (counted).
+
+pyarrow is imported at module level: import this module only from code that records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from .. import __version__
+from ..events import Batch
+from ..partitions import FleetMessage
+from .convert import DEFAULT_ZSTD_LEVEL, Decoder, parquet_options
+from .counts import Counts
+from .dataset import (
+    Segment,
+    hour_of,
+    leftover_temps,
+    list_segments,
+    open_root,
+    segment_path,
+    temp_path,
+)
+from .disk import fsync_dir, publish
+from .journal import RowBuffer, exact_row, gap_row
+from .schema import METADATA_KEY, SCHEMA, SCHEMA_VERSION, Gap
+from .tagged_json import from_json_value
+
+SEGMENT_ROW_GROUP_ROWS = 256 * 1024
+"""Rows per Parquet row group of a segment (DuckDB and Spark parallelise per row group)."""
+FLEET_FORMAT = "kvctl-fleet"
+"""The ``format`` of a Malformed row whose fleet envelope could not be read."""
+
+
+def count_events(frames: list[bytes]) -> int:
+    """How many events an engine batch holds, read off its msgpack headers (no decoding):
+    ``[ts, [event, ...], dp_rank?]`` in the third frame. -1 when the message has another
+    shape (the caller decodes it)."""
+    if len(frames) != 3:
+        return -1
+    p = frames[2]
+    if len(p) < 3 or p[0] not in (0x92, 0x93):
+        return -1
+    tag = p[1]
+    if tag == 0xCB:
+        i = 10
+    elif tag == 0xCA:
+        i = 6
+    elif tag < 0x80 or tag >= 0xE0:
+        i = 2
+    elif 0xCC <= tag <= 0xD3:
+        i = 2 + (1, 2, 4, 8)[(tag - 0xCC) % 4]
+    else:
+        return -1
+    if i >= len(p):
+        return -1
+    head = p[i]
+    if 0x90 <= head <= 0x9F:
+        return head & 0x0F
+    if head == 0xDC and i + 3 <= len(p):
+        return int.from_bytes(p[i + 1 : i + 3], "big")
+    if head == 0xDD and i + 5 <= len(p):
+        return int.from_bytes(p[i + 1 : i + 5], "big")
+    return -1
+
+
+def decoded_events(frames: list[bytes], source: str, topic: str) -> int:
+    """The event count of a message of another shape, decoded as the recorder would (0 for a
+    malformed one: its row is Malformed)."""
+    from ..formats import decode_nats, decode_zmq
+
+    if source.startswith(("nats://", "tls://")) and len(frames) == 1:
+        batch = decode_nats(topic, frames[0], source)
+    else:
+        batch = decode_zmq(frames, source)
+    return len(batch.events)
+
+
+@dataclass
+class PartitionBuffer:
+    """The open segment of one partition."""
+
+    partition: int
+    rows: RowBuffer = field(default_factory=lambda: RowBuffer(labelled=True))
+    first_seq: int = 0
+    last_seq: int = 0
+    first_recv_ns: int = 0
+    hour: int = -1
+    raw_bytes: int = 0
+    events: int = 0
+    cut_at: float = 0.0
+    """Wall-clock time of the next rotation boundary (0: no time limit)."""
+    last_handle: Any = None
+    sources: set[str] = field(default_factory=set)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass
+class Committed:
+    """A segment written and in place: what the command acks and reports."""
+
+    partition: int
+    path: str
+    segment: Segment
+    messages: int
+    rows: int
+    bytes: int
+    handle: Any
+
+
+@dataclass
+class Tally:
+    """What a recorder saw, for its progress line and summary."""
+
+    messages: int = 0
+    events: int = 0
+    gaps: int = 0
+    malformed_envelopes: int = 0
+    skipped: int = 0
+    """Messages delivered again with a stream seq a segment already holds (acked, skipped)."""
+    segments: int = 0
+    bytes: int = 0
+    rows: int = 0
+
+
+class DatasetWriter:
+    """Segments of some partitions of one stream, written into one dataset location."""
+
+    def __init__(
+        self,
+        location: str,
+        stream: str,
+        partitions: list[int],
+        layout: str = "flat",
+        rotate_bytes: int = 64_000_000,
+        rotate_every: float | None = 60.0,
+        compression_level: int = DEFAULT_ZSTD_LEVEL,
+        row_group_rows: int = SEGMENT_ROW_GROUP_ROWS,
+        command: list[str] | None = None,
+    ) -> None:
+        self.location = location
+        self.fs, self.root = open_root(location)
+        self.local = isinstance(self.fs, pafs.LocalFileSystem)
+        self.stream = stream
+        self.layout = layout
+        self.rotate_bytes = rotate_bytes
+        self.rotate_every = rotate_every
+        self.compression_level = compression_level
+        self.row_group_rows = row_group_rows
+        self.recorder = f"{socket.gethostname()}:{os.getpid()}"
+        self.command = command or []
+        self.buffers = {p: PartitionBuffer(p) for p in partitions}
+        self.committed: dict[int, int] = {}
+        self.tally = Tally()
+        self.malformed_kinds: dict[str, int] = {}
+        self._labels: dict[str, Any] = {}
+
+    # --- start -------------------------------------------------------------------------------
+
+    def resume_points(self) -> dict[int, int]:
+        """Per partition, the last stream seq a segment in the dataset holds (0: none)."""
+        from .dataset import committed_through
+
+        segments = list_segments(self.fs, self.root)
+        self.committed = {
+            p: committed_through(segments, self.stream, p) for p in sorted(self.buffers)
+        }
+        return dict(self.committed)
+
+    def remove_leftovers(self) -> list[str]:
+        """Remove the temp segments a killed recorder of these partitions left (incomplete
+        copies of messages the stream still holds: they were never acked)."""
+        found = leftover_temps(self.fs, self.root, self.stream, set(self.buffers))
+        for path in found:
+            self.fs.delete_file(path)
+        return found
+
+    # --- receiving ---------------------------------------------------------------------------
+
+    def add(
+        self,
+        partition: int,
+        stream_seq: int,
+        subject: str,
+        headers: dict[str, str] | None,
+        body: bytes,
+        handle: Any,
+    ) -> tuple[Committed | None, str | None]:
+        """Buffer one delivered message. Returns a segment committed before it (an hour
+        boundary was crossed) and, for a message that is no fleet envelope, why (it is kept
+        as a Malformed row)."""
+        buf = self.buffers[partition]
+        if stream_seq <= max(self.committed.get(partition, 0), buf.last_seq):
+            # a segment holds it already (delivered again after lost acks): skip, and ack it
+            # with the next segment (or at once when nothing is open)
+            self.tally.skipped += 1
+            if not len(buf):
+                buf.last_handle = handle
+            return None, None
+        why = None
+        try:
+            fm = FleetMessage.parse(headers, body)
+        except ValueError as exc:
+            why = str(exc)
+            row, frames, events, recv_ns, source = self._malformed(
+                partition, stream_seq, subject, headers, body, why
+            )
+        else:
+            recv_ns, source = fm.recv_ns, fm.source
+            if fm.gap is not None:
+                gap = Gap(
+                    fm.gap.get("publisher"),
+                    int(fm.gap["from_seq"]),
+                    int(fm.gap["to_seq"]),
+                    recv_ns,
+                    source,
+                )
+                row, frames = gap_row(gap)
+                events = 0
+                self.tally.gaps += 1
+            else:
+                frames = fm.frames
+                events = count_events(frames)
+                if events < 0:
+                    events = decoded_events(frames, source, fm.topic)
+                row = (
+                    recv_ns,
+                    source,
+                    fm.topic,
+                    self._label(fm.worker),
+                    self._label(fm.dp_rank),
+                    fm.recovered,
+                    None,
+                )
+        committed = None
+        if len(buf) and hour_of(recv_ns) != buf.hour:
+            committed = self.cut(partition)
+        if not len(buf):
+            buf.first_seq = stream_seq
+            buf.first_recv_ns = recv_ns
+            buf.hour = hour_of(recv_ns)
+            if self.rotate_every:
+                now = time.time()
+                buf.cut_at = (now // self.rotate_every + 1) * self.rotate_every
+        if len(row) == 8:
+            buf.rows.add_special(row, frames, events)
+        else:
+            buf.rows.rows.append(row)
+            buf.rows.events.append(events)
+            buf.rows.frames.append(frames)
+        buf.sources.add(source)
+        buf.last_seq = stream_seq
+        buf.last_handle = handle
+        buf.raw_bytes += len(body)
+        buf.events += events
+        self.tally.messages += 1
+        self.tally.events += events
+        return committed, why
+
+    def _label(self, tagged: str | None) -> Any:
+        """A label value from its tagged JSON (the row buffer encodes it again)."""
+        if tagged is None:
+            return None
+        try:
+            return self._labels[tagged]
+        except KeyError:
+            value = from_json_value(json.loads(tagged))
+            if len(self._labels) < 65536:
+                self._labels[tagged] = value
+            return value
+
+    def _malformed(
+        self,
+        partition: int,
+        stream_seq: int,
+        subject: str,
+        headers: dict[str, str] | None,
+        body: bytes,
+        why: str,
+    ) -> tuple[tuple, list[bytes], int, int, str]:
+        """A message that is no fleet envelope, as a Malformed row: its body kept as the one
+        frame, the headers it had in the error."""
+        from ..partitions import HEADER_RECV_NS, HEADER_SOURCE, header_value
+
+        headers = headers or {}
+        try:
+            recv_ns = int(headers[HEADER_RECV_NS])
+        except (KeyError, ValueError):
+            recv_ns = time.time_ns()
+        source = header_value(headers[HEADER_SOURCE]) if HEADER_SOURCE in headers else subject
+        kind = why.split(" (")[0]
+        self.malformed_kinds[kind] = self.malformed_kinds.get(kind, 0) + 1
+        self.tally.malformed_envelopes += 1
+        error = f"{why}: stream {self.stream} seq {stream_seq}, subject {subject}"
+        batch = Batch(
+            source, [], FLEET_FORMAT, subject, None, None, recv_ns, None, None, [body], error
+        )
+        row, frames = exact_row(batch)
+        return row, frames, 0, recv_ns, source
+
+    def due(self, now: float) -> list[int]:
+        """Partitions whose open segment is to be cut now (size or clock boundary)."""
+        return [
+            p
+            for p, buf in self.buffers.items()
+            if len(buf)
+            and (buf.raw_bytes >= self.rotate_bytes or (buf.cut_at and now >= buf.cut_at))
+        ]
+
+    def pending_acks(self) -> dict[int, Any]:
+        """Partitions with nothing open but skipped messages to ack: their last handle."""
+        out = {}
+        for p, buf in self.buffers.items():
+            if not len(buf) and buf.last_handle is not None:
+                out[p] = buf.last_handle
+                buf.last_handle = None
+        return out
+
+    # --- writing -----------------------------------------------------------------------------
+
+    def cut(self, partition: int) -> Committed | None:
+        """Write the open segment of ``partition`` (None: nothing open)."""
+        buf = self.buffers[partition]
+        if not len(buf):
+            return None
+        segment = Segment(self.stream, partition, buf.first_seq, buf.last_seq)
+        relative = segment_path(self.layout, segment, buf.first_recv_ns)
+        table, counts = self._table(buf)
+        meta = {
+            "kvctl_version": __version__,
+            "schema_version": SCHEMA_VERSION,
+            "counts": counts.as_dict(),
+            "sources": sorted(buf.sources),
+            "stream": self.stream,
+            "partition": partition,
+            "first_stream_seq": buf.first_seq,
+            "last_stream_seq": buf.last_seq,
+            "messages": len(buf),
+            "recorder": self.recorder,
+            "command": self.command,
+        }
+        size = self._write(relative, table, meta)
+        committed = Committed(
+            partition,
+            relative,
+            segment,
+            len(buf),
+            table.num_rows,
+            size,
+            buf.last_handle,
+        )
+        self.committed[partition] = buf.last_seq
+        self.buffers[partition] = PartitionBuffer(partition)
+        self.tally.segments += 1
+        self.tally.bytes += size
+        self.tally.rows += table.num_rows
+        return committed
+
+    def cut_all(self) -> list[Committed]:
+        return [c for p in sorted(self.buffers) if (c := self.cut(p)) is not None]
+
+    def _table(self, buf: PartitionBuffer) -> tuple[pa.Table, Counts]:
+        """The segment's rows, decoded as a journal's are, sorted by worker, dp rank, seq."""
+        chunk = buf.rows.build()
+        decoder = Decoder({"labels": {}, "filters": {}, "first_batch_index": 0})
+        parts = decoder.convert_parts(chunk.rb)
+        table = pa.Table.from_batches(parts, SCHEMA)
+        keys = pa.table(
+            {
+                "w": table.column("worker_id").cast(pa.string()),
+                "d": table.column("dp_rank"),
+                "s": table.column("seq"),
+            }
+        )
+        order = pc.sort_indices(
+            keys, sort_keys=[("w", "ascending"), ("d", "ascending"), ("s", "ascending")]
+        )
+        table = table.take(order)
+        counts = Counts()
+        for rb in parts:
+            counts.add_record_batch(rb)
+        return table, counts
+
+    def _write(self, relative: str, table: pa.Table, meta: dict[str, Any]) -> int:
+        """Write a segment where no reader sees it until it is complete; its size."""
+        final = f"{self.root}/{relative}"
+        options = parquet_options(self.compression_level)
+        metadata = {METADATA_KEY: json.dumps(meta)}
+        if not self.local:  # an object appears only when its upload completes
+            self.fs.create_dir(final.rpartition("/")[0], recursive=True)
+            with self.fs.open_output_stream(final) as sink:
+                self._parquet(sink, table, options, metadata)
+            return int(self.fs.get_file_info(final).size or 0)
+        from pathlib import Path
+
+        directory = os.path.dirname(final)
+        os.makedirs(directory, exist_ok=True)
+        tmp = temp_path(final)
+        try:
+            self._parquet(tmp, table, options, metadata)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            publish(Path(tmp), Path(final), overwrite=False)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        fsync_dir(Path(directory))
+        return os.path.getsize(final)
+
+    def _parquet(self, where: Any, table: pa.Table, options: dict, metadata: dict) -> None:
+        writer = pq.ParquetWriter(where, SCHEMA, **options)
+        try:
+            writer.write_table(table, row_group_size=self.row_group_rows)
+            writer.add_key_value_metadata(metadata)
+        finally:
+            writer.close()
