@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -197,14 +198,13 @@ def test_rows_equal_what_record_writes_from_the_live_source(nats_server, tmp_pat
     out = tmp_path / "ds"
     result = record(nats_server.url, name, out)
     assert result.code == 0, result.err
-    con = duckdb.connect()
-    fleet_table = con.execute(f"SELECT * FROM read_parquet('{out}/*.parquet')").arrow()
-    assert fleet_table.num_rows == live_table.num_rows
+    fleet = [pq.read_table(path).to_pydict() for path, _ in segments_of(out, name)]
+    assert sum(len(t["seq"]) for t in fleet) == live_table.num_rows
     for column in live_table.column_names:
         if column == "batch_index":
             continue
         left = live_table.column(column).to_pylist()
-        right = fleet_table.column(column).to_pylist()
+        right = [v for t in fleet for v in t[column]]
         assert sorted(map(repr, left)) == sorted(map(repr, right)), column
 
 
@@ -240,6 +240,15 @@ def test_kill_9_mid_run_and_restart_loses_and_duplicates_nothing(nats_server, tm
     layout = init_stream(nats_server.url, name, 2)
     out = tmp_path / "ds"
     seqs = publish(nats_server.url, layout, workload(workers=4, per_worker=200))
+    more: dict[int, int] = {}
+    stop = threading.Event()
+
+    def keep_publishing() -> None:  # messages keep arriving while the recorder dies
+        for round_ in range(200):
+            if stop.is_set():
+                return
+            more.update(publish(nats_server.url, layout, workload(4, 5, 1000 + round_ * 5)))
+
     proc = subprocess.Popen(
         [
             *_kvctl("record", nats_server.url, "--stream", name, "-o", str(out)),
@@ -252,23 +261,34 @@ def test_kill_9_mid_run_and_restart_loses_and_duplicates_nothing(nats_server, tm
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+    publisher = threading.Thread(target=keep_publishing)
     try:
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and len(segments_of(out, name)) < 3:
             time.sleep(0.05)  # no other signal: segments appearing on disk is the progress
         assert len(segments_of(out, name)) >= 3, "no segments were written"
-        # messages keep arriving while it runs, and it dies in the middle
-        seqs |= publish(nats_server.url, layout, workload(4, 50, start_seq=1000))
+        publisher.start()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and len(segments_of(out, name)) < 8:
+            time.sleep(0.02)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-    seqs |= publish(nats_server.url, layout, workload(4, 50, start_seq=2000))
+        stop.set()
+        if publisher.is_alive() or publisher.ident is not None:
+            publisher.join(20)
+    seqs |= more
+    # what a recorder killed while writing leaves: a hidden, incomplete segment
+    leftover = out / f".{name}.p00.{10**6:012d}-{10**6 + 5:012d}.parquet.tmp-99999"
+    leftover.write_bytes(b"PAR1 half a segment")
+    seqs |= publish(nats_server.url, layout, workload(4, 50, start_seq=5000))
     result = record(nats_server.url, name, out, "--json")
     assert result.code == 0, result.err
+    assert f"removed {leftover}: an incomplete segment" in result.err
     on_disk = stream_seqs_on_disk(out, name, seqs)
     assert len(on_disk) == len(set(on_disk))  # zero duplicates
     assert sorted(on_disk) == sorted(seqs)  # zero loss
-    assert not [p for p in out.rglob(".*")]  # temp files gone
+    assert not list(out.rglob(".*"))  # temp files gone
 
 
 def _kvctl(*args: str) -> list[str]:

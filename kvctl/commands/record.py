@@ -574,6 +574,10 @@ class _StreamRun:
                         self._ack(done.partition, done.handle)
                     if why is not None:
                         self._malformed(why)
+                    if writer.full(d.partition):
+                        done = writer.cut(d.partition)
+                        if done is not None:
+                            self._ack(done.partition, done.handle)
                 for p in writer.due(time.time()):
                     done = writer.cut(p)
                     if done is not None:

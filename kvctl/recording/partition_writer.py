@@ -333,6 +333,10 @@ class DatasetWriter:
             and (buf.raw_bytes >= self.rotate_bytes or (buf.cut_at and now >= buf.cut_at))
         ]
 
+    def full(self, partition: int) -> bool:
+        """The open segment of ``partition`` reached the rotation size."""
+        return self.buffers[partition].raw_bytes >= self.rotate_bytes
+
     def pending_acks(self) -> dict[int, Any]:
         """Partitions with nothing open but skipped messages to ack: their last handle."""
         out = {}

@@ -14,6 +14,7 @@ holds (the disk is the truth, see :mod:`kvctl.recording.partition_writer`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -92,7 +93,7 @@ class PartitionReader:
         self.nc: Any = None
         self.js: Any = None
         self.stop = threading.Event()
-        self.tasks: list[asyncio.Future[Any]] = []
+        self.tasks: list[concurrent.futures.Future[Any]] = []
         self.fetch_errors = 0
         self.last_error = ""
 
@@ -318,10 +319,13 @@ class PartitionReader:
 
     def close(self) -> None:
         self.stop.set()
-        for task in self.tasks:
-            task.cancel()
 
         async def shut() -> None:
+            fetching = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in fetching:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*fetching, return_exceptions=True), 5)
             if self.nc is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.nc.close(), 5)
