@@ -567,21 +567,17 @@ class _StreamRun:
                 wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - now))
                 for d in self.reader.receive(wait):
                     last_message = time.monotonic()
-                    done, why = writer.add(
+                    why = writer.add(
                         d.partition, d.stream_seq, d.subject, d.headers, d.data, d.handle
                     )
-                    if done is not None:
-                        self._ack(done.partition, done.handle)
                     if why is not None:
                         self._malformed(why)
                     if writer.full(d.partition):
-                        done = writer.cut(d.partition)
-                        if done is not None:
-                            self._ack(done.partition, done.handle)
+                        writer.cut(d.partition)
                 for p in writer.due(time.time()):
-                    done = writer.cut(p)
-                    if done is not None:
-                        self._ack(p, done.handle)
+                    writer.cut(p)
+                for done in writer.completed():  # in place: only now acked
+                    self._ack(done.partition, done.handle)
                 for p, handle in writer.pending_acks().items():
                     self._ack(p, handle)
                 if limits.count and writer.tally.events >= limits.count:
@@ -618,13 +614,15 @@ class _StreamRun:
             self.progress.stop()
         self.reader.stop.set()
         try:
-            for done in self.writer.cut_all():
+            self.writer.cut_all()
+            for done in self.writer.completed(wait=True):
                 self._ack(done.partition, done.handle)
             for p, handle in self.writer.pending_acks().items():
                 self._ack(p, handle)
         except OSError as exc:
             self.write_error = exc
         finally:
+            self.writer.close()
             self.reader.close()
 
     def summary(self) -> dict[str, Any]:

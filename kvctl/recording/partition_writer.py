@@ -177,6 +177,11 @@ class DatasetWriter:
         self.command = command or []
         self.buffers = {p: PartitionBuffer(p) for p in partitions}
         self.committed: dict[int, int] = {}
+        """Per partition, the last stream seq a segment in place holds."""
+        self.handed: dict[int, int] = {}
+        """Per partition, the last stream seq handed to the segment writer."""
+        self.pool: Any = None
+        self.in_flight: list[tuple[Any, Segment, int, Any]] = []
         self.tally = Tally()
         self.malformed_kinds: dict[str, int] = {}
         self._labels: dict[str, Any] = {}
@@ -191,6 +196,7 @@ class DatasetWriter:
         self.committed = {
             p: committed_through(segments, self.stream, p) for p in sorted(self.buffers)
         }
+        self.handed = dict(self.committed)
         return dict(self.committed)
 
     def remove_leftovers(self) -> list[str]:
@@ -211,18 +217,18 @@ class DatasetWriter:
         headers: dict[str, str] | None,
         body: bytes,
         handle: Any,
-    ) -> tuple[Committed | None, str | None]:
-        """Buffer one delivered message. Returns a segment committed before it (an hour
-        boundary was crossed) and, for a message that is no fleet envelope, why (it is kept
-        as a Malformed row)."""
+    ) -> str | None:
+        """Buffer one delivered message (the open segment is cut first when the message
+        is of another UTC hour). For a message that is no fleet envelope: why (it is kept as
+        a Malformed row)."""
         buf = self.buffers[partition]
-        if stream_seq <= max(self.committed.get(partition, 0), buf.last_seq):
+        if stream_seq <= max(self.handed.get(partition, 0), buf.last_seq):
             # a segment holds it already (delivered again after lost acks): skip, and ack it
             # with the next segment (or at once when nothing is open)
             self.tally.skipped += 1
             if not len(buf):
                 buf.last_handle = handle
-            return None, None
+            return None
         why = None
         try:
             fm = FleetMessage.parse(headers, body)
@@ -258,9 +264,9 @@ class DatasetWriter:
                     fm.recovered,
                     None,
                 )
-        committed = None
         if len(buf) and hour_of(recv_ns) != buf.hour:
-            committed = self.cut(partition)
+            self.cut(partition)
+            buf = self.buffers[partition]
         if not len(buf):
             buf.first_seq = stream_seq
             buf.first_recv_ns = recv_ns
@@ -281,7 +287,7 @@ class DatasetWriter:
         buf.events += events
         self.tally.messages += 1
         self.tally.events += events
-        return committed, why
+        return why
 
     def _label(self, tagged: str | None) -> Any:
         """A label value from its tagged JSON (the row buffer encodes it again)."""
@@ -348,99 +354,174 @@ class DatasetWriter:
 
     # --- writing -----------------------------------------------------------------------------
 
-    def cut(self, partition: int) -> Committed | None:
-        """Write the open segment of ``partition`` (None: nothing open)."""
+    def cut(self, partition: int) -> None:
+        """Hand the open segment of ``partition`` to the segment writer process (nothing
+        open: nothing to do). :meth:`completed` tells when it is in place."""
         buf = self.buffers[partition]
         if not len(buf):
-            return None
+            return
         segment = Segment(self.stream, partition, buf.first_seq, buf.last_seq)
-        relative = segment_path(self.layout, segment, buf.first_recv_ns)
-        table, counts = self._table(buf)
-        meta = {
-            "kvctl_version": __version__,
-            "schema_version": SCHEMA_VERSION,
-            "counts": counts.as_dict(),
-            "sources": sorted(buf.sources),
-            "stream": self.stream,
-            "partition": partition,
-            "first_stream_seq": buf.first_seq,
-            "last_stream_seq": buf.last_seq,
-            "messages": len(buf),
-            "recorder": self.recorder,
-            "command": self.command,
+        job = {
+            "location": self.location,
+            "relative": segment_path(self.layout, segment, buf.first_recv_ns),
+            "rb": buf.rows.build().rb,
+            "compression_level": self.compression_level,
+            "row_group_rows": self.row_group_rows,
+            "meta": {
+                "kvctl_version": __version__,
+                "schema_version": SCHEMA_VERSION,
+                "sources": sorted(buf.sources),
+                "stream": self.stream,
+                "partition": partition,
+                "first_stream_seq": buf.first_seq,
+                "last_stream_seq": buf.last_seq,
+                "messages": len(buf),
+                "recorder": self.recorder,
+                "command": self.command,
+            },
         }
-        size = self._write(relative, table, meta)
-        committed = Committed(
-            partition,
-            relative,
-            segment,
-            len(buf),
-            table.num_rows,
-            size,
-            buf.last_handle,
-        )
-        self.committed[partition] = buf.last_seq
         self.buffers[partition] = PartitionBuffer(partition)
-        self.tally.segments += 1
-        self.tally.bytes += size
-        self.tally.rows += table.num_rows
-        return committed
+        self.handed[partition] = buf.last_seq
+        if self.pool is None:
+            self.pool = _segment_pool()
+        future = self.pool.submit(write_segment, job)
+        self.in_flight.append((future, segment, len(buf), buf.last_handle))
 
-    def cut_all(self) -> list[Committed]:
-        return [c for p in sorted(self.buffers) if (c := self.cut(p)) is not None]
+    def cut_all(self) -> None:
+        for p in sorted(self.buffers):
+            self.cut(p)
 
-    def _table(self, buf: PartitionBuffer) -> tuple[pa.Table, Counts]:
-        """The segment's rows, decoded as a journal's are, sorted by worker, dp rank, seq."""
-        chunk = buf.rows.build()
-        decoder = Decoder({"labels": {}, "filters": {}, "first_batch_index": 0})
-        parts = decoder.convert_parts(chunk.rb)
-        table = pa.Table.from_batches(parts, SCHEMA)
-        keys = pa.table(
-            {
-                "w": table.column("worker_id").cast(pa.string()),
-                "d": table.column("dp_rank"),
-                "s": table.column("seq"),
-            }
-        )
-        order = pc.sort_indices(
-            keys, sort_keys=[("w", "ascending"), ("d", "ascending"), ("s", "ascending")]
-        )
-        table = table.take(order)
-        counts = Counts()
-        for rb in parts:
-            counts.add_record_batch(rb)
-        return table, counts
+    def completed(self, wait: bool = False) -> list[Committed]:
+        """Segments now in place, in the order they were cut (one writer process: they
+        complete in that order, so a partition's acks never pass a segment not yet in
+        place). ``wait``: all of them. A failed write raises its OSError."""
+        from concurrent.futures.process import BrokenProcessPool
 
-    def _write(self, relative: str, table: pa.Table, meta: dict[str, Any]) -> int:
-        """Write a segment where no reader sees it until it is complete; its size."""
-        final = f"{self.root}/{relative}"
-        options = parquet_options(self.compression_level)
-        metadata = {METADATA_KEY: json.dumps(meta)}
-        if not self.local:  # an object appears only when its upload completes
-            self.fs.create_dir(final.rpartition("/")[0], recursive=True)
-            with self.fs.open_output_stream(final) as sink:
-                self._parquet(sink, table, options, metadata)
-            return int(self.fs.get_file_info(final).size or 0)
-        from pathlib import Path
+        done = []
+        while self.in_flight and (wait or self.in_flight[0][0].done()):
+            future, segment, messages, handle = self.in_flight[0]
+            try:
+                result = future.result()
+            except BrokenProcessPool:
+                raise OSError("the segment writer process died") from None
+            except OSError:
+                raise
+            except Exception as exc:  # never a traceback: the command reports it, unacked
+                raise OSError(f"segment writer: {exc}") from None
+            self.in_flight.pop(0)
+            self.committed[segment.partition] = segment.last
+            self.tally.segments += 1
+            self.tally.bytes += result["bytes"]
+            self.tally.rows += result["rows"]
+            done.append(
+                Committed(
+                    segment.partition,
+                    result["relative"],
+                    segment,
+                    messages,
+                    result["rows"],
+                    result["bytes"],
+                    handle,
+                )
+            )
+        return done
 
-        directory = os.path.dirname(final)
-        os.makedirs(directory, exist_ok=True)
-        tmp = temp_path(final)
-        try:
-            self._parquet(tmp, table, options, metadata)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            publish(Path(tmp), Path(final), overwrite=False)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        fsync_dir(Path(directory))
-        return os.path.getsize(final)
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def _parquet(self, where: Any, table: pa.Table, options: dict, metadata: dict) -> None:
-        writer = pq.ParquetWriter(where, SCHEMA, **options)
-        try:
-            writer.write_table(table, row_group_size=self.row_group_rows)
-            writer.add_key_value_metadata(metadata)
-        finally:
-            writer.close()
+
+def _segment_pool() -> Any:
+    """One process that writes segments: decoding and compressing a segment takes seconds of
+    CPU, which the receive loop (and its NATS client thread) must not wait for."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: the recorder runs threads (the NATS client), which fork does not mix with
+    return ProcessPoolExecutor(
+        1, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_interrupts
+    )
+
+
+def _ignore_interrupts() -> None:
+    """Ctrl-C reaches the whole process group: the recorder decides when the writer stops
+    (it commits the open segments first)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def write_segment(job: dict[str, Any]) -> dict[str, Any]:
+    """In the segment writer process: decode a segment's journal rows as the converter does,
+    sort them by (worker_id, dp_rank, seq) (stable), write the Parquet file where no reader
+    sees it until complete; its relative path, rows and bytes."""
+    fs, root = open_root(job["location"])
+    table, counts = segment_table(job["rb"])
+    meta = {**job["meta"], "counts": counts.as_dict()}
+    size = _write(fs, root, job["relative"], table, meta, job)
+    return {"relative": job["relative"], "rows": table.num_rows, "bytes": size}
+
+
+def segment_table(rb: pa.RecordBatch) -> tuple[pa.Table, Counts]:
+    """A segment's rows, decoded as a journal's are, sorted by worker, dp rank, seq."""
+    decoder = Decoder({"labels": {}, "filters": {}, "first_batch_index": 0})
+    parts = decoder.convert_parts(rb)
+    table = pa.Table.from_batches(parts, SCHEMA)
+    keys = pa.table(
+        {
+            "w": table.column("worker_id").cast(pa.string()),
+            "d": table.column("dp_rank"),
+            "s": table.column("seq"),
+        }
+    )
+    order = pc.sort_indices(
+        keys, sort_keys=[("w", "ascending"), ("d", "ascending"), ("s", "ascending")]
+    )
+    counts = Counts()
+    for part in parts:
+        counts.add_record_batch(part)
+    return table.take(order), counts
+
+
+def _write(
+    fs: pafs.FileSystem,
+    root: str,
+    relative: str,
+    table: pa.Table,
+    meta: dict[str, Any],
+    job: dict[str, Any],
+) -> int:
+    """Write a segment where no reader sees it until it is complete; its size."""
+    final = f"{root}/{relative}"
+    options = parquet_options(job["compression_level"])
+    metadata = {METADATA_KEY: json.dumps(meta)}
+    rows = job["row_group_rows"]
+    if not isinstance(fs, pafs.LocalFileSystem):  # an object appears only when complete
+        fs.create_dir(final.rpartition("/")[0], recursive=True)
+        with fs.open_output_stream(final) as sink:
+            _parquet(sink, table, options, metadata, rows)
+        return int(fs.get_file_info(final).size or 0)
+    from pathlib import Path
+
+    directory = os.path.dirname(final)
+    os.makedirs(directory, exist_ok=True)
+    tmp = temp_path(final)
+    try:
+        _parquet(tmp, table, options, metadata, rows)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        publish(Path(tmp), Path(final), overwrite=False)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(Path(directory))
+    return os.path.getsize(final)
+
+
+def _parquet(where: Any, table: pa.Table, options: dict, metadata: dict, rows: int) -> None:
+    writer = pq.ParquetWriter(where, SCHEMA, **options)
+    try:
+        writer.write_table(table, row_group_size=rows)
+        writer.add_key_value_metadata(metadata)
+    finally:
+        writer.close()
