@@ -63,6 +63,19 @@ class Positioned:
     ack_floor: int = 0
 
 
+def stream_seq(msg: Any) -> int:
+    """The stream seq of a delivered message, read off its ack subject
+    (``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>...``, or with domain and account
+    hash after ``ACK``): nats-py's ``metadata`` parses every field, at a cost per message
+    that is a tenth of the receive loop's."""
+    tokens = msg.reply.split(".")
+    if len(tokens) == 9:
+        return int(tokens[5])
+    if len(tokens) >= 11:
+        return int(tokens[7])
+    return int(msg.metadata.sequence.stream)
+
+
 def consumer_name(stream: str, partition: int) -> str:
     return f"kvctl-record-{stream}-p{partition:02d}"
 
@@ -278,9 +291,7 @@ class PartitionReader:
                 if m.reply is None or not m.reply.startswith("$JS.ACK."):
                     continue  # a status message, not a stored one
                 delivered.append(
-                    Delivered(
-                        partition, m.metadata.sequence.stream, m.subject, m.headers, m.data, m
-                    )
+                    Delivered(partition, stream_seq(m), m.subject, m.headers, m.data, m)
                 )
             while delivered and not self.stop.is_set():
                 try:
