@@ -19,7 +19,7 @@ import duckdb
 import nats
 import pyarrow.parquet as pq
 import pytest
-from conftest import Engine, finish, removed, run_kvctl, start_kvctl, stored
+from conftest import Engine, finish, read_until, removed, run_kvctl, start_kvctl, stored
 from inprocess import run_main
 
 from kvctl.formats.engine_zmq import encode_frames, encode_payload
@@ -371,3 +371,49 @@ def test_partition_count_must_be_the_stream_s(nats_server, tmp_path):
     init_stream(nats_server.url, name, 4)
     result = record(nats_server.url, name, tmp_path, "--partition", "0/8")
     assert result.code == 2 and "has 4 partitions, not 8" in result.err
+
+
+# --- Ctrl-C commits what is open, acks it, exits 130 ------------------------------------------
+
+
+def test_ctrl_c_commits_and_acks_what_is_open(nats_server, tmp_path):
+    name = stream_name()
+    layout = init_stream(nats_server.url, name, 2)
+    seqs = publish(nats_server.url, layout, workload(workers=4, per_worker=20))
+    out = tmp_path / "ds"
+    proc = start_kvctl(
+        "record", nats_server.url, "--stream", name, "-o", str(out), "--rotate-every", "1h"
+    )
+    read_until(proc.stderr, "recording stream")
+    # what it received is only in memory (one segment an hour): Ctrl-C writes it
+    wait_delivered(nats_server.url, name, [0, 1], len(seqs))
+    proc.send_signal(signal.SIGINT)
+    rc, _, err = finish(proc)
+    assert rc == 130, err
+    assert "stopped by interrupt" in err
+    on_disk = stream_seqs_on_disk(out, name, seqs)
+    assert sorted(on_disk) == sorted(seqs)
+    # acked: a second run finds nothing new and skips nothing
+    result = record(nats_server.url, name, out, "--json")
+    assert result.code == 0, result.err
+    summary = json.loads(result.out)["summary"]
+    assert (summary["messages"], summary["skipped_already_recorded"]) == (0, 0)
+
+
+def wait_delivered(url: str, stream: str, partitions: list[int], count: int) -> None:
+    """Until the recorder's consumers delivered ``count`` messages and none is acked yet."""
+    from kvctl.transports.jetstream import consumer_name
+
+    async def pending() -> int:
+        nc = await nats.connect(url)
+        try:
+            js = nc.jetstream()
+            infos = [await js.consumer_info(stream, consumer_name(stream, p)) for p in partitions]
+            return sum(i.num_ack_pending for i in infos)
+        finally:
+            await nc.close()
+
+    deadline = time.monotonic() + 15
+    while asyncio.run(asyncio.wait_for(pending(), 10)) < count:
+        assert time.monotonic() < deadline, "the recorder did not receive the messages"
+        time.sleep(0.05)

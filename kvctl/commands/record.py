@@ -116,13 +116,16 @@ def command(
 
     Takes the same SOURCEs and options as tap. Malformed messages and sequence gaps are
     recorded too. The recorder journals to PATH.journal at least every second and turns it into
-    Parquet on exit (Ctrl-C included); after a crash run `kvctl recover PATH`.
+    Parquet on exit (Ctrl-C included); after a crash run `kvctl recover PATH`. With --stream it
+    reads a fleet stream's partitions from JetStream into a dataset of segments instead,
+    acking each segment once it is in place (a restart resumes after the last one).
 
     \b
     Example:
       kvctl record tcp://127.0.0.1:5557 -o run.parquet --duration 600
       kvctl record 0=tcp://10.0.0.1:5557 1=tcp://10.0.0.2:5557 -o run/ --rotate-every 1h
       kvctl record nats://127.0.0.1:4222 --from-start -o dynamo.parquet --idle-timeout 30
+      kvctl record nats://10.0.0.5:4222 --stream fleet --partition 0,1/4 -o ds/ --layout hive
       duckdb -c "SELECT type, count(*) FROM 'run.parquet' GROUP BY 1"
     """
     from ..errors import TransportError, UsageError
@@ -550,13 +553,22 @@ class _StreamRun:
         self.shown_kinds: set[str] = set()
         self.progress: Any = None
 
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """Ctrl-C or SIGTERM: the loop stops between two messages (a KeyboardInterrupt
+        raised anywhere could cut a segment's bookkeeping in half)."""
+        self.interrupted = True
+
     def run(self) -> None:
+        import signal
+
         limits, writer = self.limits, self.writer
         deadline = self.started + limits.duration if limits.duration else None
         last_message = time.monotonic()
         self.progress = _stream_progress(self, self.out)
+        self.interrupted = False
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            while True:
+            while not self.interrupted:
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     self.stopped_by = "duration"
@@ -565,15 +577,8 @@ class _StreamRun:
                     self.stopped_by = "idle timeout"
                     return
                 wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - now))
-                for d in self.reader.receive(wait):
+                if self._take(self.reader.receive(wait)):
                     last_message = time.monotonic()
-                    why = writer.add(
-                        d.partition, d.stream_seq, d.subject, d.headers, d.data, d.handle
-                    )
-                    if why is not None:
-                        self._malformed(why)
-                    if writer.full(d.partition):
-                        writer.cut(d.partition)
                 for p in writer.due(time.time()):
                     writer.cut(p)
                 for done in writer.completed():  # in place: only now acked
@@ -583,12 +588,28 @@ class _StreamRun:
                 if limits.count and writer.tally.events >= limits.count:
                     self.stopped_by = "count"
                     return
-        except KeyboardInterrupt:
             self.stopped_by = "interrupt"
-            raise
+            # what was fetched already is recorded too (a stop by -c leaves it to the next run)
+            self._take(self.reader.drain())
         except OSError as exc:
             self.stopped_by = "write error"
             self.write_error = exc
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        if self.interrupted:
+            raise KeyboardInterrupt  # after close, cli.py says the closing words, exit 130
+
+    def _take(self, delivered: list[Any]) -> int:
+        """Buffer delivered messages; a segment that reached its size is cut."""
+        writer = self.writer
+        for d in delivered:
+            why = writer.add(d.partition, d.stream_seq, d.subject, d.headers, d.data, d.handle)
+            if why is not None:
+                self._malformed(why)
+            if writer.full(d.partition):
+                writer.cut(d.partition)
+        return len(delivered)
 
     def _malformed(self, why: str) -> None:
         kind = why.split(" (")[0]

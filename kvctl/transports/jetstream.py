@@ -310,6 +310,18 @@ class PartitionReader:
             raise got
         return got
 
+    def drain(self) -> list[Delivered]:
+        """Stop fetching; every batch fetched already, at once."""
+        self.stop.set()
+        out: list[Delivered] = []
+        while True:
+            try:
+                got = self.queue.get_nowait()
+            except queue.Empty:
+                return out
+            if not isinstance(got, BaseException):
+                out.extend(got)
+
     def ack(self, handle: Any, tries_for_s: float = 30.0) -> bool:
         """Ack everything of one consumer up to the message ``handle`` (AckPolicy ALL), and
         wait for the server to confirm; retried (a server restarting) for ``tries_for_s``.
