@@ -417,3 +417,57 @@ def wait_delivered(url: str, stream: str, partitions: list[int], count: int) -> 
     while asyncio.run(asyncio.wait_for(pending(), 10)) < count:
         assert time.monotonic() < deadline, "the recorder did not receive the messages"
         time.sleep(0.05)
+
+
+# --- a server restart mid-run --------------------------------------------------------------------
+
+
+def test_a_server_restart_mid_run_loses_and_duplicates_nothing(tmp_path):
+    from conftest import NatsServer, free_port
+
+    port = free_port()
+    store = tmp_path / "store"
+    server = NatsServer(store, port=port)
+    try:
+        name = stream_name()
+        layout = init_stream(server.url, name, 2)
+        seqs = publish(server.url, layout, workload(workers=4, per_worker=20))
+        out = tmp_path / "ds"
+        dead = f"nats://127.0.0.1:{free_port()}"  # a server of the list that is down: failed over
+        proc = start_kvctl(
+            "record",
+            f"{dead},{server.url}",
+            "--stream",
+            name,
+            "-o",
+            str(out),
+            "--rotate-every",
+            "1",
+            "--idle-timeout",
+            "25",
+            drain=True,
+        )
+        wait_on_disk(out, name, seqs)
+        server.stop()
+        server = NatsServer(store, port=port)  # the same server back, its store kept
+        seqs |= publish(server.url, layout, workload(workers=4, per_worker=20, start_seq=100))
+        wait_on_disk(out, name, seqs)
+        proc.send_signal(signal.SIGINT)
+        rc, _, err = finish(proc)
+        assert rc == 130, err
+        assert "reconnect" in err
+        on_disk = stream_seqs_on_disk(out, name, seqs)
+        assert sorted(on_disk) == sorted(seqs) and len(on_disk) == len(set(on_disk))
+    finally:
+        server.stop()
+
+
+def wait_on_disk(out: Path, stream: str, seqs: dict[int, int], timeout: float = 20) -> None:
+    """Until the segments hold every message of ``seqs`` (segments appearing: no other sign)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = sum(footer(p)["messages"] for p, _ in segments_of(out, stream))
+        if held >= len(seqs):
+            return
+        assert time.monotonic() < deadline, f"{held} of {len(seqs)} messages on disk"
+        time.sleep(0.1)
