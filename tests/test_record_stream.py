@@ -471,3 +471,26 @@ def wait_on_disk(out: Path, stream: str, seqs: dict[int, int], timeout: float = 
             return
         assert time.monotonic() < deadline, f"{held} of {len(seqs)} messages on disk"
         time.sleep(0.1)
+
+
+def test_a_message_delivered_again_is_skipped_and_acked_once_its_segment_is_in_place(tmp_path):
+    """Redelivery during a run (an ack wait that ran out): what a segment holds, or one being
+    written, is skipped; its ack waits for that segment to be in place (acking it acks every
+    earlier message of the partition)."""
+    from kvctl.recording.partition_writer import DatasetWriter
+
+    writer = DatasetWriter(str(tmp_path), "s", [0])
+    try:
+        assert writer.resume_points() == {0: 0}
+        for seq, (_, fm) in enumerate(workload(workers=1, per_worker=3), start=1):
+            assert writer.add(0, seq, "kvctl.s.0.w0", fm.headers(), fm.body(), f"h{seq}") is None
+        writer.cut(0)
+        _, fm = workload(workers=1, per_worker=1)[0]
+        writer.add(0, 2, "kvctl.s.0.w0", fm.headers(), fm.body(), "again")
+        assert writer.tally.skipped == 1
+        in_place = writer.completed(wait=True)
+        assert [(c.segment.first, c.segment.last, c.handle) for c in in_place] == [(1, 3, "h3")]
+        assert writer.pending_acks() == {0: "again"}
+        assert writer.pending_acks() == {}
+    finally:
+        writer.close()

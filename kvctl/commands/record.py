@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -62,12 +63,14 @@ def _interval(value: str | None) -> float | None:
 @click.option(
     "--rotate-size",
     metavar="SIZE",
-    help="Start a new segment after about SIZE bytes of Parquet (e.g. 512M, 2G).",
+    help="Start a new segment after about SIZE bytes of Parquet (e.g. 512M, 2G); with "
+    "--stream, after SIZE bytes of a partition's raw messages (default 32M).",
 )
 @click.option(
     "--rotate-every",
     metavar="INTERVAL",
-    help="Start a new segment on every clock boundary of INTERVAL (e.g. 60, 5m, 1h).",
+    help="Start a new segment on every clock boundary of INTERVAL (e.g. 60, 5m, 1h); "
+    "with --stream the default is 60 s (a segment's messages are acked when it is written).",
 )
 @click.option(
     "--overwrite",
@@ -363,7 +366,7 @@ def _progress(writer: Any, summary: Any, out: Output) -> Any:
 
 # --- a fleet stream into a dataset (--stream) ---------------------------------------------------
 
-_STREAM_DEFAULT_SIZE = 64e6
+_STREAM_DEFAULT_SIZE = 32e6
 """Raw bytes of one partition's segment (its rows are decoded and sorted in memory at the cut:
 a few times this, at most, per partition cut at once)."""
 _STREAM_DEFAULT_EVERY = 60.0
@@ -664,6 +667,9 @@ class _StreamRun:
             "fetch_errors": self.reader.fetch_errors,
             "elapsed_s": round(time.monotonic() - self.started, 3),
             "stopped_by": self.stopped_by,
+            # the receive loop's and the segment writer's (children: reaped at close)
+            "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "writer_peak_rss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
         }
 
     def closing_words(self, interrupted: bool) -> str:

@@ -158,7 +158,7 @@ class DatasetWriter:
         stream: str,
         partitions: list[int],
         layout: str = "flat",
-        rotate_bytes: int = 64_000_000,
+        rotate_bytes: int = 32_000_000,
         rotate_every: float | None = 60.0,
         compression_level: int = DEFAULT_ZSTD_LEVEL,
         row_group_rows: int = SEGMENT_ROW_GROUP_ROWS,
@@ -181,10 +181,12 @@ class DatasetWriter:
         self.handed: dict[int, int] = {}
         """Per partition, the last stream seq handed to the segment writer."""
         self.pool: Any = None
+        self.skipped_acks: dict[int, tuple[int, Any]] = {}
         self.in_flight: list[tuple[Any, Segment, int, Any]] = []
         self.tally = Tally()
         self.malformed_kinds: dict[str, int] = {}
         self._labels: dict[str, Any] = {}
+        self._texts: dict[str, str] = {}
 
     # --- start -------------------------------------------------------------------------------
 
@@ -223,11 +225,14 @@ class DatasetWriter:
         a Malformed row)."""
         buf = self.buffers[partition]
         if stream_seq <= max(self.handed.get(partition, 0), buf.last_seq):
-            # a segment holds it already (delivered again after lost acks): skip, and ack it
-            # with the next segment (or at once when nothing is open)
+            # a segment holds it already (delivered again after lost acks): skipped, and acked
+            # by the next segment's ack, or alone once the segment holding it is in place
+            # (AckPolicy all: acking it acks everything before it, so never earlier)
             self.tally.skipped += 1
             if not len(buf):
-                buf.last_handle = handle
+                held = self.skipped_acks.get(partition)
+                if held is None or held[0] < stream_seq:
+                    self.skipped_acks[partition] = (stream_seq, handle)
             return None
         why = None
         try:
@@ -238,7 +243,8 @@ class DatasetWriter:
                 partition, stream_seq, subject, headers, body, why
             )
         else:
-            recv_ns, source = fm.recv_ns, fm.source
+            # one string per distinct source and topic, not one per message held
+            recv_ns, source = fm.recv_ns, self._text(fm.source)
             if fm.gap is not None:
                 gap = Gap(
                     fm.gap.get("publisher"),
@@ -258,7 +264,7 @@ class DatasetWriter:
                 row = (
                     recv_ns,
                     source,
-                    fm.topic,
+                    self._text(fm.topic),
                     self._label(fm.worker),
                     self._label(fm.dp_rank),
                     fm.recovered,
@@ -288,6 +294,11 @@ class DatasetWriter:
         self.tally.messages += 1
         self.tally.events += events
         return why
+
+    def _text(self, text: str) -> str:
+        if len(self._texts) > 65536:  # bounded: sources and topics come from the wire
+            self._texts.clear()
+        return self._texts.setdefault(text, text)
 
     def _label(self, tagged: str | None) -> Any:
         """A label value from its tagged JSON (the row buffer encodes it again)."""
@@ -344,12 +355,15 @@ class DatasetWriter:
         return self.buffers[partition].raw_bytes >= self.rotate_bytes
 
     def pending_acks(self) -> dict[int, Any]:
-        """Partitions with nothing open but skipped messages to ack: their last handle."""
+        """Skipped messages to ack on their own (nothing open after them, the segment that
+        holds them in place): per partition, the handle of the last."""
         out = {}
-        for p, buf in self.buffers.items():
-            if not len(buf) and buf.last_handle is not None:
-                out[p] = buf.last_handle
-                buf.last_handle = None
+        for p, (seq, handle) in list(self.skipped_acks.items()):
+            if len(self.buffers[p]):  # the open segment's ack will cover it
+                del self.skipped_acks[p]
+            elif seq <= self.committed.get(p, 0):
+                out[p] = handle
+                del self.skipped_acks[p]
         return out
 
     # --- writing -----------------------------------------------------------------------------
