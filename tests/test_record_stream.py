@@ -494,3 +494,20 @@ def test_a_message_delivered_again_is_skipped_and_acked_once_its_segment_is_in_p
         assert writer.pending_acks() == {}
     finally:
         writer.close()
+
+
+def test_a_second_recorder_of_a_partition_is_refused(nats_server, tmp_path):
+    name = stream_name()
+    init_stream(nats_server.url, name, 2)
+    first = start_kvctl(
+        "record", nats_server.url, "--stream", name, "--partition", "0/2", "-o", str(tmp_path)
+    )
+    try:
+        read_until(first.stderr, "recording stream")
+        second = record(nats_server.url, name, tmp_path / "other", "--partition", "0,1/2")
+        assert second.code == 1, second.err
+        assert "is another recorder reading partition 0?" in second.err
+    finally:
+        first.send_signal(signal.SIGINT)
+        rc, _, err = finish(first)
+    assert rc == 130, err
