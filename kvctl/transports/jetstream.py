@@ -34,7 +34,7 @@ FETCH_WAIT_S = 1.0
 """How long one pull request waits on the server for messages (then it is asked again)."""
 MAX_ACK_PENDING = 1_000_000
 """Messages delivered and not yet acked, per consumer: a segment's worth, and more."""
-QUEUE_BATCHES = 64
+QUEUE_BATCHES = 8
 """Fetched batches waiting for the recorder (bounded: the fetch tasks wait when it is full)."""
 
 
