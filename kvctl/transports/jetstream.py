@@ -283,7 +283,10 @@ class PartitionReader:
                 raise
             except Exception as exc:
                 self.fetch_errors += 1
-                self.last_error = describe(exc)
+                text = describe(exc)
+                if text != self.last_error:  # said once per kind, not twice a second
+                    self.notify(f"kvctl: partition {partition}: pull failed ({text}); retrying")
+                self.last_error = text
                 await asyncio.sleep(0.5)
                 continue
             delivered = []
