@@ -140,3 +140,25 @@ def committed_through(segments: list[tuple[str, Segment]], stream: str, partitio
         (s.last for _, s in segments if s.stream == stream and s.partition == partition),
         default=0,
     )
+
+
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+\.parquet)\.tmp-(?P<pid>\d+)$")
+
+
+def leftover_temps(fs: pafs.FileSystem, root: str, stream: str, partitions: set[int]) -> list[str]:
+    """Hidden temp segments (:func:`temp_path`) of ``stream``'s ``partitions`` under ``root``:
+    what a killed recorder of those partitions left (one recorder per partition at a time,
+    so none is being written)."""
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+    except FileNotFoundError:
+        return []
+    found = []
+    for info in infos:
+        match = _TEMP_NAME.match(info.base_name)
+        if info.type != pafs.FileType.File or match is None:
+            continue
+        segment = Segment.parse(match["name"])
+        if segment is not None and segment.stream == stream and segment.partition in partitions:
+            found.append(info.path)
+    return sorted(found)

@@ -1,0 +1,362 @@
+"""JetStream pull consumers for the partitioned recorders: bytes and headers in, acks out.
+No decoding here.
+
+nats-py is asyncio-only; the recorder's loop is synchronous (it builds and writes Parquet
+segments between receives). So, as in :mod:`kvctl.transports.nats`, the client runs its own
+event loop in a thread: one fetch task per partition pulls batches from that partition's
+durable consumer and hands them over through a bounded queue; acks go the other way and are
+awaited (double acks: the server says it took them) before the recorder counts them.
+
+A consumer is positioned by :meth:`PartitionReader.position`, from what the dataset on disk
+holds (the disk is the truth, see :mod:`kvctl.recording.partition_writer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import TransportError
+from ..redact import redact_url
+from .nats import NatsOptions, describe, servers_of
+
+FETCH_BATCH = 1000
+"""Messages asked for in one pull request."""
+FETCH_WAIT_S = 1.0
+"""How long one pull request waits on the server for messages (then it is asked again)."""
+MAX_ACK_PENDING = 1_000_000
+"""Messages delivered and not yet acked, per consumer: a segment's worth, and more."""
+QUEUE_BATCHES = 8
+"""Fetched batches waiting for the recorder (bounded: the fetch tasks wait when it is full)."""
+
+
+@dataclass(slots=True)
+class Delivered:
+    """One stored message as the consumer delivered it."""
+
+    partition: int
+    stream_seq: int
+    subject: str
+    headers: dict[str, str] | None
+    data: bytes
+    handle: Any
+    """What :meth:`PartitionReader.ack` takes (the nats-py message)."""
+
+
+@dataclass(frozen=True)
+class Positioned:
+    """What :meth:`PartitionReader.position` did with a partition's consumer."""
+
+    partition: int
+    consumer: str
+    action: str
+    """``kept`` (it resumes right after ``committed``), ``created`` or ``recreated``."""
+    reason: str = ""
+    ack_floor: int = 0
+
+
+def stream_seq(msg: Any) -> int:
+    """The stream seq of a delivered message, read off its ack subject
+    (``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>...``, or with domain and account
+    hash after ``ACK``): nats-py's ``metadata`` parses every field, at a cost per message
+    that is a tenth of the receive loop's."""
+    tokens = msg.reply.split(".")
+    if len(tokens) == 9:
+        return int(tokens[5])
+    if len(tokens) >= 11:
+        return int(tokens[7])
+    return int(msg.metadata.sequence.stream)
+
+
+def consumer_name(stream: str, partition: int) -> str:
+    return f"kvctl-record-{stream}-p{partition:02d}"
+
+
+class PartitionReader:
+    """Pull consumers of some partitions of one stream, read from a thread of their own."""
+
+    def __init__(
+        self,
+        url: str,
+        options: NatsOptions,
+        stream: str,
+        subjects: dict[int, str],
+        ack_wait_s: float,
+        notify: Callable[[str], None] | None = None,
+    ) -> None:
+        self.servers = servers_of(url)
+        self.shown = redact_url(url)
+        self.options = options
+        self.stream = stream
+        self.subjects = subjects
+        self.ack_wait_s = ack_wait_s
+        self.notify = notify or (lambda line: None)
+        self.queue: queue.Queue[list[Delivered] | BaseException] = queue.Queue(QUEUE_BATCHES)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.nc: Any = None
+        self.js: Any = None
+        self.stop = threading.Event()
+        self.tasks: list[concurrent.futures.Future[Any]] = []
+        self.fetch_errors = 0
+        self.last_error = ""
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    # --- connecting and positioning ----------------------------------------------------------
+
+    def connect(self) -> None:
+        self._call(self._connect())
+
+    async def _connect(self) -> None:
+        import nats
+
+        logging.getLogger("asyncio").setLevel(logging.ERROR)
+        heard: list[str] = []
+
+        async def on_error(exc: Exception) -> None:  # nats-py would log a traceback
+            heard.append(describe(exc))
+            self.last_error = describe(exc)
+
+        async def on_disconnect() -> None:
+            if not self.stop.is_set():  # not our own close
+                self.notify(f"kvctl: {self.shown}: disconnected from NATS, reconnecting")
+
+        async def on_reconnect() -> None:
+            if not self.stop.is_set():
+                self.notify(f"kvctl: {self.shown}: reconnected")
+
+        kwargs = self.options.connect_kwargs()
+        # A recorder outlives server restarts and leader elections: reconnect without end
+        # (--idle-timeout bounds how long it waits for messages)
+        kwargs["max_reconnect_attempts"] = -1
+        try:
+            self.nc = await nats.connect(
+                servers=self.servers,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                **kwargs,
+            )
+        except Exception as exc:
+            reason = heard[0] if heard else describe(exc)
+            raise TransportError(f"{self.shown}: cannot connect to NATS: {reason}") from None
+        self.js = self.nc.jetstream(timeout=self.options.connect_timeout)
+
+    def stream_partitions(self) -> int | None:
+        """The number of partitions of the stream (None: no such stream, or not a kvctl
+        stream)."""
+        return self._call(self._stream_partitions())
+
+    async def _stream_partitions(self) -> int | None:
+        from ..partitions import StreamLayout
+        from .nats import stream_info_or_none
+
+        info = await self._api(stream_info_or_none(self.js, self.stream))
+        if info is None:
+            raise TransportError(
+                f"{self.shown}: no stream {self.stream} (create it with `kvctl stream init`)"
+            )
+        c = info.config
+        transform = c.subject_transform
+        layout = StreamLayout.of_stream(
+            self.stream,
+            list(c.subjects or []),
+            transform.src if transform else None,
+            transform.dest if transform else None,
+        )
+        return None if layout is None else layout.partitions
+
+    async def _api(self, coro: Any, missing_ok: bool = False) -> Any:
+        """A JetStream API call, its failures as one line (``missing_ok``: None for a
+        consumer or stream that is not there)."""
+        from nats.js import errors as js_errors
+
+        try:
+            return await coro
+        except js_errors.NotFoundError:
+            if missing_ok:
+                return None
+            raise TransportError(f"{self.shown}: JetStream: not found") from None
+        except js_errors.ServiceUnavailableError:
+            raise TransportError(f"{self.shown}: JetStream is not enabled on this server") from None
+        except js_errors.APIError as exc:
+            raise TransportError(f"{self.shown}: JetStream: {exc.description or exc}") from None
+        except (asyncio.TimeoutError, TimeoutError):
+            raise TransportError(
+                f"{self.shown}: JetStream did not answer within {self.options.connect_timeout:g} s"
+            ) from None
+
+    def position(self, partition: int, committed: int) -> Positioned:
+        """Make ``partition``'s durable consumer deliver from stream seq ``committed + 1``
+        (0: from the first message the stream holds): kept as it is when its ack floor is
+        ``committed`` and nothing is delivered-but-unacked, else deleted and made again
+        (acks lost after a segment was committed, a consumer that acked past what the
+        dataset holds, another filter)."""
+        return self._call(self._position(partition, committed))
+
+    async def _position(self, partition: int, committed: int) -> Positioned:
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        name = consumer_name(self.stream, partition)
+        subject = self.subjects[partition]
+        info = await self._api(self.js.consumer_info(self.stream, name), missing_ok=True)
+        reason = ""
+        if info is not None:
+            floor = info.ack_floor.stream_seq if info.ack_floor else 0
+            if info.num_waiting:  # pull requests of another reader, or a dead one's
+                await asyncio.sleep(FETCH_WAIT_S * 2)  # a dead one's expire by then
+                info = await self._api(self.js.consumer_info(self.stream, name))
+                if info.num_waiting:
+                    raise TransportError(
+                        f"{self.shown}: consumer {name} has other readers: is another "
+                        f"recorder reading partition {partition}? (one recorder per partition)"
+                    )
+            same = (
+                info.config.filter_subject == subject
+                and info.config.ack_policy == AckPolicy.ALL
+                and info.config.ack_wait is not None
+                and info.config.ack_wait >= self.ack_wait_s
+            )
+            if same and floor == committed and not info.num_ack_pending:
+                return Positioned(partition, name, "kept", ack_floor=floor)
+            if not same:
+                reason = "its settings differ"
+            elif floor < committed:
+                reason = f"acks up to stream seq {committed} were lost (ack floor {floor})"
+            elif floor > committed:
+                reason = (
+                    f"it acked up to stream seq {floor} but the dataset holds partition "
+                    f"{partition} up to {committed}: recording from {committed + 1} again"
+                )
+            else:
+                reason = f"{info.num_ack_pending} messages were delivered and not acked"
+            await self._api(self.js.delete_consumer(self.stream, name))
+        config = ConsumerConfig(
+            durable_name=name,
+            filter_subject=subject,
+            ack_policy=AckPolicy.ALL,
+            ack_wait=self.ack_wait_s,
+            max_ack_pending=MAX_ACK_PENDING,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if committed else DeliverPolicy.ALL,
+            opt_start_seq=committed + 1 if committed else None,
+            description=f"kvctl record of {self.stream} partition {partition}",
+        )
+        await self._api(self.js.add_consumer(self.stream, config=config))
+        return Positioned(
+            partition, name, "recreated" if info is not None else "created", reason=reason
+        )
+
+    # --- receiving ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for partition in self.subjects:
+            self.tasks.append(asyncio.run_coroutine_threadsafe(self._fetch(partition), self.loop))
+
+    async def _fetch(self, partition: int) -> None:
+        """Pull batches until stopped; failures (a server restarting, a leader election) are
+        counted and retried, bounded by the recorder's own stop conditions."""
+        import nats.errors
+
+        name = consumer_name(self.stream, partition)
+        sub = None
+        while not self.stop.is_set():
+            try:
+                if sub is None:
+                    sub = await self.js.pull_subscribe_bind(
+                        durable=name, stream=self.stream, pending_msgs_limit=-1
+                    )
+                msgs = await sub.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.fetch_errors += 1
+                text = describe(exc)
+                if text != self.last_error:  # said once per kind, not twice a second
+                    self.notify(f"kvctl: partition {partition}: pull failed ({text}); retrying")
+                self.last_error = text
+                await asyncio.sleep(0.5)
+                continue
+            delivered = []
+            for m in msgs:
+                if m.reply is None or not m.reply.startswith("$JS.ACK."):
+                    continue  # a status message, not a stored one
+                delivered.append(
+                    Delivered(partition, stream_seq(m), m.subject, m.headers, m.data, m)
+                )
+            while delivered and not self.stop.is_set():
+                try:
+                    self.queue.put_nowait(delivered)
+                    break
+                except queue.Full:  # the recorder is writing a segment: wait for it
+                    await asyncio.sleep(0.01)
+
+    def receive(self, timeout: float) -> list[Delivered]:
+        """The next fetched batch ([] when none came within ``timeout``)."""
+        try:
+            got = self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return []
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def drain(self) -> list[Delivered]:
+        """Stop fetching; every batch fetched already, at once."""
+        self.stop.set()
+        out: list[Delivered] = []
+        while True:
+            try:
+                got = self.queue.get_nowait()
+            except queue.Empty:
+                return out
+            if not isinstance(got, BaseException):
+                out.extend(got)
+
+    def ack(self, handle: Any, tries_for_s: float = 30.0) -> bool:
+        """Ack everything of one consumer up to the message ``handle`` (AckPolicy ALL), and
+        wait for the server to confirm; retried (a server restarting) for ``tries_for_s``.
+        False: not confirmed (the recorder resumes right anyway: see ``position``)."""
+        deadline = time.monotonic() + tries_for_s
+        while True:
+            try:
+                self._call(handle.ack_sync(timeout=self.options.connect_timeout), timeout=30)
+                return True
+            except Exception as exc:
+                text = describe(exc)
+                if "already acknowledged" in text.lower():
+                    return True
+                self.last_error = text
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.5)
+
+    def close(self) -> None:
+        self.stop.set()
+
+        async def shut() -> None:
+            fetching = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in fetching:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*fetching, return_exceptions=True), 5)
+            if self.nc is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.nc.close(), 5)
+
+        with contextlib.suppress(Exception):
+            self._call(shut(), timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
