@@ -67,8 +67,12 @@ def command(
     out: Output,
 ) -> None:
     """Forward live streams to a target as they arrive: engine ZMQ -> Dynamo on NATS (what
-    Dynamo's ZMQ relay does in-process), old vLLM arrays -> the new map form, NATS -> ZMQ,
-    or anything -> a kvctl fleet stream on JetStream (--stream).
+    Dynamo's ZMQ relay does in-process), old vLLM arrays -> the new map form, NATS -> ZMQ.
+
+    With --stream NAME, every message as received (and every gap the replay socket could not
+    fill, as a marker) goes into the kvctl fleet stream NAME on the --to NATS servers, one
+    partition per worker, for partitioned recorders; the report counts what JetStream
+    stored, refused and what was retried.
 
     \b
     Example:

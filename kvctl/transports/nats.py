@@ -859,9 +859,9 @@ class StreamPublisher:
     The client fails over between the servers of a comma list, and reconnects without limit
     while the outage clock runs. ``notify`` hears of trouble and recovery, one line each."""
 
-    WINDOW = 1024
+    WINDOW = 4096
     WINDOW_BYTES = 32 * 2**20
-    ACK_TIMEOUT_S = 3.0
+    ACK_TIMEOUT_S = 5.0
     """A publish unanswered this long is sent again (the server drops it if it was stored)."""
     PUBLISH_TIMEOUT_S = 60.0
     BACKOFF_S = (0.05, 1.0)
