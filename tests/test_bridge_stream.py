@@ -418,3 +418,97 @@ def test_a_leader_killed_mid_stream_is_retried_through(nats_cluster: NatsCluster
     assert sorted(seqs) == list(range(total))  # every message exactly once
     if delivery["reordered"] == 0:
         assert seqs == list(range(total))  # in the worker's order
+
+
+class _Kept:
+    """A stand-in publisher that keeps what it is given (no server: the envelope alone)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes, dict[str, str]]] = []
+
+    def publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> None:
+        self.sent.append((subject, payload, headers))
+
+
+def test_the_hot_path_headers_are_the_fleet_message_s_own() -> None:
+    """StreamSending computes the per-source headers once: they must equal FleetMessage's for
+    every message (labels, a password in the source, recovered, malformed)."""
+    from kvctl.formats import decode_zmq
+    from kvctl.formats.engine_zmq import encode_frames, encode_payload
+    from kvctl.publishing import StreamSending, fleet_message
+
+    kept = _Kept()
+    sending = StreamSending(kept, StreamLayout("fleet", 4), "host:1")
+    payload = encode_payload([stored([1, 2])], 1.5, 3, "vllm")
+    batches = [
+        decode_zmq(encode_frames(b"kv@pod-a@m", 0, payload), "tcp://h:1", 10, None, None),
+        decode_zmq(encode_frames(b"", 1, payload), "nats://u:pw@h:4222", 11, "w 1", 2),
+        decode_zmq([b"x", b"y"], "ipc:///tmp/e", 12, 5, None),
+    ]
+    batches[1].recovered = True
+    for batch in batches:
+        sending.send(batch)
+    for batch, (subject, body, headers) in zip(batches, kept.sent, strict=True):
+        expected = fleet_message(batch)
+        assert {k: v for k, v in headers.items() if k not in (MSG_ID, HEADER_BRIDGE)} == (
+            expected.headers()
+        )
+        assert body == expected.body() and FleetMessage.parse(headers, body) == expected
+        assert "pw" not in subject + json.dumps(headers)
+    assert FleetMessage.parse(kept.sent[0][2], kept.sent[0][1]).worker == '"pod-a"'
+    assert kept.sent[1][0] == "kvctl.fleet.events.w%201"
+
+
+def test_gap_markers_are_the_rows_kvctl_record_writes() -> None:
+    """A Gap item: one marker per run of seqs neither recovered nor arrived malformed, in the
+    partition of the publisher's messages, its publisher as tagged JSON."""
+    from kvctl.formats import decode_zmq
+    from kvctl.formats.engine_zmq import encode_frames, encode_payload
+    from kvctl.pipeline import Gap
+    from kvctl.publishing import StreamSending
+
+    kept = _Kept()
+    sending = StreamSending(kept, StreamLayout("fleet", 4), "host:1")
+    payload = encode_payload([stored([1])], 1.5, 0, "vllm")
+    source = "tcp://h:1"
+    sending.send(decode_zmq(encode_frames(b"", 0, payload), source, 1, "w", None))
+    sending.send(decode_zmq([b"", (3).to_bytes(8, "big"), b"\xc1"], source, 2, "w", None))
+    sending.handle(Gap(source, 1, 7, [5]))
+    markers = [FleetMessage.parse(h, b) for _, b, h in kept.sent[2:]]
+    assert [(m.gap["from_seq"], m.gap["to_seq"]) for m in markers] == [(1, 2), (4, 4), (6, 6)]
+    assert {m.gap["publisher"] for m in markers} == {source} and {m.source for m in markers} == {
+        source
+    }
+    assert {s for s, _, _ in kept.sent} == {"kvctl.fleet.events.w"}
+    ids = {h[MSG_ID] for _, _, h in kept.sent}
+    assert len(ids) == 5  # a marker's id is its own, never a message's
+
+
+@pytest.mark.parametrize(
+    ("argument", "address", "subjects"),
+    [
+        ("nats://a:4222", "nats://a:4222", []),
+        ("nats://a:4222/x.y", "nats://a:4222", ["x.y"]),
+        ("nats://a:4222,nats://b:4222", "nats://a:4222,nats://b:4222", []),
+        ("nats://u:p@a:1,tls://b:2/s.*", "nats://u:p@a:1,tls://b:2", ["s.*"]),
+    ],
+)
+def test_a_nats_source_takes_several_servers(
+    argument: str, address: str, subjects: list[str]
+) -> None:
+    from kvctl.pipeline import SourceSpec
+
+    spec = SourceSpec.parse(argument)
+    assert (spec.kind, spec.address, spec.subjects) == ("nats", address, subjects)
+
+
+def test_a_server_list_with_a_foreign_url_is_a_usage_error() -> None:
+    from kvctl.errors import UsageError
+    from kvctl.pipeline import SourceSpec
+
+    with pytest.raises(UsageError, match="not a NATS URL"):
+        SourceSpec.parse("nats://u:secret@a:4222,tcp://b:5557")
+    try:
+        SourceSpec.parse("nats://u:secret@a:4222,http://u:secret@b")
+    except UsageError as exc:
+        assert "secret" not in str(exc)
