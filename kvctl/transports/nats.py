@@ -1139,6 +1139,7 @@ class StreamPublisher:
         assert wake is not None and connected is not None
         max_payload = self._nc.max_payload
         next_look = 0.0
+        sends = 0
         while self._error is None:
             now = time.monotonic()
             if now >= next_look:  # unanswered publishes, the outage clock
@@ -1167,6 +1168,9 @@ class StreamPublisher:
                 self._refused(message, _TooBig(len(message.payload), max_payload))
                 continue
             await self._send(js, message)
+            sends += 1
+            if sends % 64 == 0:  # let the acks that came meanwhile in: the window moves on
+                await asyncio.sleep(0)
 
     async def _send(self, js: Any, message: _Message) -> None:
         message.sent_at = time.monotonic()
