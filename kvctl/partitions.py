@@ -225,9 +225,12 @@ class FleetMessage:
     topic: str
     frames: list[bytes]
     worker: str | None = None
-    """The source's worker label, tagged JSON (``0``, ``"w1"``); None: unlabelled."""
+    """The batch's worker (``Batch.worker_id``: the source's label, else what the decoder
+    found, an llm-d topic's pod or a Dynamo worker id) as tagged JSON (``0``, ``"w1"``), as a
+    labelled journal row holds it; None: none (the row's tagged JSON ``null``)."""
     dp_rank: str | None = None
-    """The source's dp rank label, tagged JSON; None: none."""
+    """The batch's dp rank (``Batch.dp_rank``: the payload's, else the source's label),
+    tagged JSON; None: none."""
     recovered: bool = False
     gap: dict | None = None
     """A gap marker's fields (publisher, from_seq, to_seq); then ``frames`` is empty."""

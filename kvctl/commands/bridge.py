@@ -230,6 +230,7 @@ def _bridge_stream(
         out.say("kvctl: received " + summary.line(), "dim")
 
     def interrupted() -> str:
+        summary.stopped_by = "interrupt"
         send_report()
         return "interrupted"
 
