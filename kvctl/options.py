@@ -309,7 +309,8 @@ target_options = _group(
         required=True,
         metavar="URL",
         help="tcp://HOST:PORT or ipc://PATH (a PUB that binds, as an engine does) or "
-        "nats://HOST:PORT[/SUBJECT] (Dynamo).",
+        "nats://HOST:PORT[,nats://HOST:PORT...][/SUBJECT] (Dynamo; several servers of "
+        "one cluster: the client fails over).",
     ),
     click.option(
         "--format",

@@ -172,8 +172,14 @@ HEADER_WORKER = "Kvctl-Worker"
 """The source's worker label (tagged JSON, as the journal keeps it); absent: none."""
 HEADER_DP_RANK = "Kvctl-Dp-Rank"
 HEADER_RECOVERED = "Kvctl-Recovered"
+HEADER_EVENTS = "Kvctl-Events"
+"""How many events the bridge's decoder found in the message (the journal's ``events``
+column when the recorder applies no filter); absent: not said (a gap marker)."""
 HEADER_GAP = "Kvctl-Gap"
-"""On a gap marker (empty body): JSON ``{"publisher": ..., "from_seq": N, "to_seq": M}``."""
+"""On a gap marker (empty body): JSON ``{"publisher": P, "from_seq": N, "to_seq": M}``, the
+fields of the Gap row ``kvctl record`` writes (``RecordingWriter.write_gap``); ``P`` is the
+publisher as a tagged JSON value (``to_json_value``: a string stays a string, redacted; a
+tuple is ``{"$t": [...]}``), so ``from_json_value(P)`` gives the publisher back."""
 HEADER_BRIDGE = "Kvctl-Bridge"
 """Which bridge published it (host:pid), for the people reading ``nats stream view``."""
 
@@ -219,12 +225,18 @@ class FleetMessage:
     topic: str
     frames: list[bytes]
     worker: str | None = None
-    """The source's worker label, tagged JSON (``0``, ``"w1"``); None: unlabelled."""
+    """The batch's worker (``Batch.worker_id``: the source's label, else what the decoder
+    found, an llm-d topic's pod or a Dynamo worker id) as tagged JSON (``0``, ``"w1"``), as a
+    labelled journal row holds it; None: none (the row's tagged JSON ``null``)."""
     dp_rank: str | None = None
-    """The source's dp rank label, tagged JSON; None: none."""
+    """The batch's dp rank (``Batch.dp_rank``: the payload's, else the source's label),
+    tagged JSON; None: none."""
     recovered: bool = False
     gap: dict | None = None
     """A gap marker's fields (publisher, from_seq, to_seq); then ``frames`` is empty."""
+    events: int | None = None
+    """How many events the bridge decoded from the frames (0: malformed or none); None:
+    not said."""
 
     def headers(self) -> dict[str, str]:
         headers = {
@@ -238,6 +250,8 @@ class FleetMessage:
             headers[HEADER_DP_RANK] = header_text(self.dp_rank)
         if self.recovered:
             headers[HEADER_RECOVERED] = "1"
+        if self.events is not None:
+            headers[HEADER_EVENTS] = str(self.events)
         if self.gap is not None:
             import json
 
@@ -267,6 +281,10 @@ class FleetMessage:
         worker = headers.get(HEADER_WORKER)
         dp_rank = headers.get(HEADER_DP_RANK)
         recovered = headers.get(HEADER_RECOVERED) == "1"
+        try:
+            events = int(headers[HEADER_EVENTS]) if HEADER_EVENTS in headers else None
+        except ValueError:
+            raise ValueError("a Kvctl-Events header that is not a number") from None
         if HEADER_GAP in headers:
             try:
                 gap = json.loads(header_value(headers[HEADER_GAP]))
@@ -289,4 +307,6 @@ class FleetMessage:
             None if worker is None else header_value(worker),
             None if dp_rank is None else header_value(dp_rank),
             recovered,
+            None,
+            events,
         )

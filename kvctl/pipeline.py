@@ -21,8 +21,9 @@ DRAIN_LIMIT = 512  # messages taken from one socket before the others get their 
 
 @dataclass
 class SourceSpec:
-    """One source argument: ``[WORKER[:DP]=]tcp://...|ipc://...``, ``nats://HOST:PORT[/SUBJ]``
-    or a recording path."""
+    """One source argument: ``[WORKER[:DP]=]tcp://...|ipc://...``,
+    ``nats://HOST:PORT[,nats://HOST:PORT...][/SUBJECT]`` (several servers of one cluster: the
+    client fails over between them) or a recording path."""
 
     kind: str  # "zmq" | "nats" | "file"
     address: str
@@ -48,9 +49,11 @@ class SourceSpec:
         if text.startswith(("tcp://", "ipc://", "inproc://")):
             return cls("zmq", text)
         if text.startswith(("nats://", "tls://")):
-            scheme, _, hostpath = text.partition("://")
-            host, _, subject = hostpath.partition("/")
-            return cls("nats", f"{scheme}://{host}", subjects=[subject] if subject else [])
+            from .transports.nats import servers_of, split_nats_url
+
+            servers, subject = split_nats_url(text)  # the subject after the last server
+            servers_of(servers)  # one usage line for a list that is not all NATS URLs
+            return cls("nats", servers, subjects=[subject] if subject else [])
         if "://" in text:
             raise UsageError(f"{text}: unknown scheme (use tcp://, ipc://, nats:// or a path)")
         return cls("file", text)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .events import Batch
-from .pipeline import Emptied, Item, Malformed, Narrowed
+from .pipeline import Emptied, Gap, Item, Malformed, Narrowed
 from .text import plural
 
 if TYPE_CHECKING:
@@ -270,3 +270,210 @@ def _nats_lines(d: dict[str, Any]) -> list[tuple[str, str]]:
             )
         )
     return lines
+
+
+# --- bridge --stream: every message into a kvctl fleet stream ---------------------------------
+
+
+def fleet_stream(url: str, nats: NatsOptions, name: str) -> Any:
+    """The :class:`~kvctl.partitions.StreamLayout` of stream ``name``, checked before anything
+    is published: one line (:class:`TransportError`) when there is no such stream, or it is
+    not one ``kvctl stream init`` made."""
+    from .errors import TransportError
+    from .partitions import StreamLayout
+    from .redact import redact_url
+    from .transports.nats import run_jetstream, stream_info_or_none
+
+    async def work(js: Any) -> Any:
+        info = await stream_info_or_none(js, name)
+        if info is None:
+            raise TransportError(
+                f"{redact_url(url)}: no stream {name} "
+                f"(create it first: kvctl stream init {redact_url(url)} --name {name} "
+                "--partitions N)"
+            )
+        config = info.config
+        transform = config.subject_transform
+        layout = StreamLayout.of_stream(
+            config.name,
+            list(config.subjects or ()),
+            transform.src if transform else None,
+            transform.dest if transform else None,
+        )
+        if layout is None:
+            raise TransportError(
+                f"{redact_url(url)}: stream {name} is not a kvctl fleet stream (its subjects "
+                "and transform are not those kvctl stream init makes)"
+            )
+        return layout
+
+    return run_jetstream(url, nats, work)
+
+
+def fleet_message(batch: Batch) -> Any:
+    """The :class:`~kvctl.partitions.FleetMessage` of a received message: the fields of the
+    raw journal row ``kvctl record`` writes for it (``RecordingWriter.write_message``:
+    receive time, redacted source, topic, worker and dp rank labels as tagged JSON, the
+    recovered flag, the frames as received) and how many events were decoded."""
+    from .partitions import FleetMessage
+    from .recording.tagged_json import dumps, to_json_value
+    from .redact import redact_url
+
+    source = batch.source
+    return FleetMessage(
+        recv_ns=batch.recv_ns,
+        source=redact_url(source) if type(source) is str else str(source),
+        topic=batch.topic or "",
+        frames=[bytes(f) for f in batch.frames],
+        worker=None if batch.worker_id is None else dumps(to_json_value(batch.worker_id)),
+        dp_rank=None if batch.dp_rank is None else dumps(to_json_value(batch.dp_rank)),
+        recovered=batch.recovered is True,
+        events=len(batch.events) if batch.error is None else 0,
+    )
+
+
+def _packb(frames: list[bytes]) -> bytes:
+    """:meth:`~kvctl.partitions.FleetMessage.body` of these frames (bytes frames as they are:
+    msgpack packs bytes and bytearray alike, as bin)."""
+    import msgpack
+
+    if all(type(f) is bytes for f in frames):
+        return msgpack.packb(frames)
+    return msgpack.packb([bytes(f) for f in frames])
+
+
+class StreamSending:
+    """The pipeline consumer of ``bridge --stream``: every message received (decoded,
+    emptied, narrowed by ``-c``: whole, as received; malformed: its frames) becomes one
+    JetStream message to its worker's subject, and every run of seqs the engine's replay
+    socket could not fill becomes a gap marker, exactly as ``kvctl record`` would journal
+    them (see :class:`~kvctl.partitions.FleetMessage`)."""
+
+    def __init__(self, publisher: Any, layout: Any, bridge: str) -> None:
+        self.publisher = publisher
+        self.layout = layout
+        self.bridge = bridge
+        """The ``Kvctl-Bridge`` header: which bridge published (host:pid)."""
+        self.messages = self.gap_markers = self.malformed = self.bytes = 0
+        self.events = 0
+        self._subjects: dict[tuple[Any, str], str] = {}
+        self._seen: dict[Any, tuple[Any, str, Any]] = {}
+        """publisher -> (worker id, source, dp rank) of its latest batch: a gap marker goes
+        where that publisher's messages go."""
+        self._malformed_seqs: dict[Any, set[int]] = {}  # since the publisher's last gap
+        self._static_cache: dict[Any, tuple[dict[str, str], str, str, int | None, str]] = {}
+        from .partitions import message_id
+
+        self._message_id = message_id
+
+    def handle(self, item: Item) -> None:
+        if type(item) is Batch:
+            self.send(item)
+        elif isinstance(item, (Narrowed, Emptied, Malformed)):
+            self.send(item.batch)
+        elif isinstance(item, Gap):
+            self.gap(item)
+
+    def _subject(self, worker_id: Any, source: str) -> tuple[str, str]:
+        from .partitions import partition_key
+
+        key = partition_key(worker_id, source)
+        subject = self._subjects.get((worker_id, source))
+        if subject is None:
+            subject = self._subjects[(worker_id, source)] = self.layout.publish_subject(key)
+        return key, subject
+
+    def _static(self, batch: Batch) -> tuple[dict[str, str], str, str, int | None, str]:
+        """What the messages of one source, topic and labels share: the headers that do not
+        change from message to message (those of :func:`fleet_message`, computed once), the
+        subject, the partition key, the dp rank of the message id and the redacted source."""
+        from .partitions import (
+            HEADER_BRIDGE,
+            HEADER_EVENTS,
+            HEADER_RECOVERED,
+            HEADER_RECV_NS,
+        )
+
+        try:
+            cache_key = (batch.source, batch.topic, batch.worker_id, batch.dp_rank)
+            found = self._static_cache.get(cache_key)
+        except TypeError:  # an unhashable label: nothing cached
+            cache_key, found = None, None
+        if found is not None:
+            return found
+        message = fleet_message(batch)
+        headers = message.headers()
+        for varying in (HEADER_RECV_NS, HEADER_RECOVERED, HEADER_EVENTS):
+            headers.pop(varying, None)
+        headers[HEADER_BRIDGE] = self.bridge
+        key, subject = self._subject(batch.worker_id, message.source)
+        dp_rank = batch.dp_rank if type(batch.dp_rank) is int else None
+        found = (headers, subject, key, dp_rank, message.source)
+        if cache_key is not None and len(self._static_cache) < 4096:
+            self._static_cache[cache_key] = found
+        return found
+
+    def send(self, batch: Batch) -> None:
+        """The hot path: the headers of :func:`fleet_message` (equal, see the tests) from the
+        per-source part computed once, the body, the message id."""
+        from .partitions import HEADER_EVENTS, HEADER_RECOVERED, HEADER_RECV_NS, MSG_ID
+
+        static, subject, key, dp_rank, source = self._static(batch)
+        frames = batch.frames
+        body = _packb(frames if type(frames) is list else list(frames))
+        events = len(batch.events) if batch.error is None else 0
+        headers = {HEADER_RECV_NS: str(batch.recv_ns), **static}
+        if batch.recovered is True:
+            headers[HEADER_RECOVERED] = "1"
+        headers[HEADER_EVENTS] = str(events)
+        seq = batch.seq if type(batch.seq) is int else None
+        headers[MSG_ID] = self._message_id(key, dp_rank, seq, body)
+        self.publisher.publish(subject, body, headers)
+        self._seen[batch.publisher] = (batch.worker_id, source, dp_rank)
+        self.messages += 1
+        self.bytes += len(body)
+        if batch.error is not None:
+            self.malformed += 1
+            if type(batch.seq) is int:  # its seq arrived: not part of a later gap marker
+                seqs = self._malformed_seqs.setdefault(batch.publisher, set())
+                seqs.add(batch.seq)
+                if len(seqs) > 4096:  # nothing but malformed messages: stay bounded
+                    keep = sorted(seqs)[-2048:]
+                    seqs.clear()
+                    seqs.update(keep)
+        else:
+            self.events += events
+
+    def gap(self, gap: Gap) -> None:
+        """The gap markers of a Gap item: one per run of seqs neither recovered nor arrived
+        malformed (the rows ``kvctl record``'s sink writes, see ``RecordingSink.gap``)."""
+        arrived = {s for s in gap.recovered if gap.first <= s < gap.end}
+        malformed = self._malformed_seqs.pop(gap.publisher, set())
+        arrived.update(s for s in malformed if gap.first <= s < gap.end)
+        start = gap.first
+        for seq in [*sorted(arrived), gap.end]:
+            if seq > start:
+                self._gap_marker(gap.publisher, start, seq - 1)
+            start = seq + 1
+
+    def _gap_marker(self, publisher: Any, from_seq: int, to_seq: int) -> None:
+        import json
+        import time
+
+        from .partitions import HEADER_BRIDGE, MSG_ID, FleetMessage, message_id
+        from .recording.tagged_json import to_json_value
+        from .redact import redact_url
+
+        shown = redact_url(publisher) if type(publisher) is str else publisher
+        fields = {"publisher": to_json_value(shown), "from_seq": from_seq, "to_seq": to_seq}
+        # the source column of a Gap row is the publisher, as RecordingSink.gap writes it
+        gap_source = redact_url(str(publisher))
+        worker_id, source, dp_rank = self._seen.get(publisher, (None, gap_source, None))
+        key, subject = self._subject(worker_id, source)
+        message = FleetMessage(time.time_ns(), gap_source, "", [], gap=fields)
+        headers = message.headers()
+        marker = json.dumps(fields, sort_keys=True).encode()
+        headers[MSG_ID] = message_id(key, dp_rank, from_seq, b"gap:" + marker)
+        headers[HEADER_BRIDGE] = self.bridge
+        self.publisher.publish(subject, message.body(), headers)
+        self.gap_markers += 1

@@ -306,17 +306,16 @@ class NatsTarget:
         options: Any = None,
         notify: Callable[[str], None] | None = None,
     ) -> None:
-        from .transports.nats import Publisher
+        from .transports.nats import Publisher, split_nats_url
 
         if encoding not in NATS_FORMATS:
             raise UsageError(f"--format {encoding} is not a NATS format: {', '.join(NATS_FORMATS)}")
-        scheme, _, rest = url.partition("://")
-        host, _, url_subject = rest.partition("/")
+        servers, url_subject = split_nats_url(url)  # one server or a comma list
         subjects = dynamo_subjects(namespace, component, endpoint)
         self.subject = subject or url_subject or subjects[encoding]
         self.encoding = encoding
         self.encoder = nats_encoding(encoding)
-        self.publisher = Publisher(f"{scheme}://{host}", options, notify=notify)
+        self.publisher = Publisher(servers, options, notify=notify)
         self.jetstream = self.encoder.jetstream
         self.stream = subjects["stream"] if self.jetstream else None
         if self.stream:
@@ -467,7 +466,8 @@ def open_target(
     from .redact import redact_url
 
     raise UsageError(
-        f"--to {redact_url(to.url)}: expected tcp://HOST:PORT, ipc://PATH or nats://HOST:PORT"
+        f"--to {redact_url(to.url)}: expected tcp://HOST:PORT, ipc://PATH or "
+        "nats://HOST:PORT[,nats://HOST:PORT...]"
     )
 
 

@@ -225,9 +225,9 @@ class Subscriber:
         from_start: bool = False,
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
     ) -> None:
-        if not server.startswith(("nats://", "tls://")):
-            raise UsageError(f"{server}: not a NATS URL (nats://HOST:PORT)")
-        self.server = server
+        self.servers = servers_of(server)
+        self.server = redact_url(server)
+        """The URL as shown (every password replaced by ``***``)."""
         self.subjects = subjects or list(DEFAULT_SUBJECTS)
         self.options = options or NatsOptions()
         self.from_start = from_start
@@ -322,7 +322,7 @@ class Subscriber:
 
         connect = asyncio.ensure_future(
             nc.connect(
-                servers=[self.server],
+                servers=self.servers,
                 error_cb=on_error,
                 disconnected_cb=on_disconnected,
                 reconnected_cb=on_reconnected,
@@ -477,8 +477,7 @@ class Publisher:
         buffer_bytes: int = BUFFER_BYTES,
         notify: Callable[[str], None] | None = None,
     ) -> None:
-        if not server.startswith(("nats://", "tls://")):
-            raise UsageError(f"{redact_url(server)}: not a NATS URL (nats://HOST:PORT)")
+        self.servers = servers_of(server)
         self.server = server
         self.shown = redact_url(server)
         self.options = options or NatsOptions()
@@ -629,7 +628,7 @@ class Publisher:
 
         try:
             self._nc = await nats.connect(
-                servers=[self.server],
+                servers=self.servers,
                 error_cb=on_error,
                 disconnected_cb=on_disconnected,
                 reconnected_cb=on_reconnected,
@@ -735,11 +734,24 @@ def servers_of(url: str) -> list[str]:
     one and fails over to the others)."""
     servers = [part.strip() for part in url.split(",") if part.strip()]
     if not servers:
-        raise UsageError(f"{url!r}: no NATS server (nats://HOST:PORT[,nats://HOST:PORT...])")
+        raise UsageError(
+            f"{redact_url(url)!r}: no NATS server (nats://HOST:PORT[,nats://HOST:PORT...])"
+        )
     for server in servers:
         if not server.startswith(("nats://", "tls://")):
             raise UsageError(f"{redact_url(server)}: not a NATS URL (nats://HOST:PORT)")
     return servers
+
+
+def split_nats_url(text: str) -> tuple[str, str]:
+    """``nats://a:4222,nats://b:4222/SUBJECT`` -> (the servers, ``SUBJECT`` or ""): the subject
+    follows the first ``/`` after the last server's host (a subject has no ``/``, a host
+    neither)."""
+    last = text.rfind("://")
+    slash = text.find("/", last + 3) if last >= 0 else -1
+    if slash < 0:
+        return text, ""
+    return text[:slash], text[slash + 1 :]
 
 
 def run_jetstream(url: str, options: NatsOptions, work: Callable[[Any], Any]) -> Any:
@@ -804,3 +816,459 @@ async def all_consumers(js: Any, stream: str) -> list[Any]:
         found.extend(page)
         if not page:
             return found
+
+
+# --- JetStream publishing, pipelined (kvctl bridge --stream) ---
+
+
+class _Message:
+    """One message handed to :class:`StreamPublisher`, until the stream stored it or it was
+    given up."""
+
+    __slots__ = ("number", "subject", "payload", "headers", "size", "sent_at", "future")
+
+    def __init__(self, number: int, subject: str, payload: bytes, headers: dict[str, str]):
+        self.number = number
+        self.subject = subject
+        self.payload = payload
+        self.headers = headers
+        self.size = len(payload) + sum(len(k) + len(v) + 4 for k, v in headers.items())
+        self.sent_at = 0.0
+        self.future: Any = None
+
+
+class StreamPublisher:
+    """JetStream publishes from synchronous code, pipelined: up to ``window`` messages (and
+    ``window_bytes``) are out at once, their acks awaited together, instead of one publish,
+    one ack, one round trip at a time.
+
+    Nothing is dropped: a full window makes :meth:`publish` wait (back-pressure on the
+    source). A publish the stream refuses (503 / no responders while a stream leader is
+    elected), leaves unanswered for ``ACK_TIMEOUT_S`` or that a lost connection cut off is
+    retried, with back-off, while the trouble lasts at most ``publish_timeout`` seconds
+    (counted from the first failure since the last stored message); then everything not
+    stored is counted as failed and :meth:`publish`/:meth:`close` raise one line
+    (:class:`TransportError`). Each message carries its ``Nats-Msg-Id`` (the caller's): a
+    retry of one that was stored after all is dropped by the server and counted as a
+    duplicate.
+
+    Order: on a failure no new message is sent until every failed one is stored again, one
+    at a time, oldest first. Messages already in flight behind a failed one may be stored
+    before its retry is: counted as ``reordered`` (by subject), never hidden.
+
+    The client fails over between the servers of a comma list, and reconnects without limit
+    while the outage clock runs. ``notify`` hears of trouble and recovery, one line each."""
+
+    WINDOW = 4096
+    WINDOW_BYTES = 32 * 2**20
+    ACK_TIMEOUT_S = 5.0
+    """A publish unanswered this long is sent again (the server drops it if it was stored)."""
+    PUBLISH_TIMEOUT_S = 60.0
+    BACKOFF_S = (0.05, 1.0)
+    """The first and the longest wait between two attempts of a refused publish."""
+
+    def __init__(
+        self,
+        url: str,
+        options: NatsOptions | None = None,
+        window: int = WINDOW,
+        window_bytes: int = WINDOW_BYTES,
+        publish_timeout: float = PUBLISH_TIMEOUT_S,
+        notify: Callable[[str], None] | None = None,
+    ) -> None:
+        self.servers = servers_of(url)
+        self.shown = redact_url(url)
+        self.options = options or NatsOptions()
+        self.window = max(1, window)
+        self.window_bytes = window_bytes
+        self.publish_timeout = publish_timeout
+        self.notify = notify
+        # caller -> loop: the queue; loop -> caller: the outstanding count, under _room
+        self._queue: deque[_Message] = deque()
+        self._outstanding = 0
+        self._outstanding_bytes = 0
+        self._room = threading.Condition()
+        self._number = 0
+        self._inflight: dict[int, _Message] = {}  # send order
+        self._retry: list[_Message] = []
+        self._highest_stored: dict[str, int] = {}  # subject -> highest message number stored
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._error: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._connected: asyncio.Event | None = None
+        self._closing = False
+        self._trouble_since: float | None = None
+        self._trouble_reason = ""
+        self._connect_errors: list[str] = []
+        self._nc: Any = None
+        self.published = 0
+        """Messages handed to :meth:`publish`."""
+        self.acked = 0
+        """Stored by the stream (acked, not as a duplicate)."""
+        self.duplicates = 0
+        """Acked as a duplicate: stored before (an earlier attempt, or another bridge)."""
+        self.failed = 0
+        self.failure: str | None = None
+        self.retried = 0
+        """Publishes sent again after a refusal, a missing ack or a lost connection."""
+        self.reordered = 0
+        self.outages = 0
+        self.outage_s = 0.0
+        self.longest_outage_s = 0.0
+        self.peak_in_flight = 0
+        self._thread = threading.Thread(target=self._run, name="kvctl-js-pub", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(self.options.connect_timeout + 5) or self._error:
+            heard = f": {self._connect_errors[0]}" if self._connect_errors else ""
+            raise TransportError(self._error or f"{self.shown}: no answer from NATS{heard}")
+
+    # -- the caller's side ---------------------------------------------------------------------
+
+    def publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> None:
+        """Queue one message; waits while the window is full (short waits: Ctrl-C works)."""
+        message = _Message(0, subject, payload, headers)
+        with self._room:
+            while not self._error and (
+                self._outstanding >= self.window
+                or (
+                    self._outstanding and self._outstanding_bytes + message.size > self.window_bytes
+                )
+            ):
+                self._room.wait(0.2)
+            if self._error:
+                raise TransportError(self._error)
+            message.number = self._number
+            self._number += 1
+            self.published += 1
+            self._outstanding += 1
+            self._outstanding_bytes += message.size
+            self._queue.append(message)
+            wake = len(self._queue) == 1
+        if wake and self._loop is not None and self._wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop ended (an error, said above)
+                self._loop.call_soon_threadsafe(self._wake.set)
+
+    def close(self) -> None:
+        """Wait until every message is stored or given up, then disconnect; one line
+        (:class:`TransportError`) when some could not be published."""
+        if self._loop is not None and not self._done.is_set():
+            self._closing = True
+            with contextlib.suppress(RuntimeError):
+                assert self._wake is not None
+                self._loop.call_soon_threadsafe(self._wake.set)
+            bound = self.publish_timeout + 2 * self.ACK_TIMEOUT_S + 30
+            deadline = time.monotonic() + bound
+            while not self._done.wait(0.2):  # short waits: Ctrl-C works
+                if time.monotonic() > deadline:  # cannot happen: the loop's clocks end it
+                    self._give_up(f"the publisher did not finish within {bound:g} s")
+                    break
+        if self._error:
+            raise TransportError(self._error)
+
+    @property
+    def error(self) -> str | None:
+        """Why the publisher gave up (then every publish raises it), or None."""
+        return self._error
+
+    def counts(self) -> dict[str, Any]:
+        return {
+            "published": self.published,
+            "acked": self.acked,
+            "duplicates": self.duplicates,
+            "failed": self.failed,
+            "failure": self.failure,
+            "retried": self.retried,
+            "reordered": self.reordered,
+            "outages": self.outages,
+            "outage_s": round(self.outage_s, 3),
+            "longest_outage_s": round(self.longest_outage_s, 3),
+            "window": self.window,
+            "peak_in_flight": self.peak_in_flight,
+            "publish_timeout_s": self.publish_timeout,
+        }
+
+    # -- the loop's side -----------------------------------------------------------------------
+
+    def _say(self, line: str) -> None:
+        if self.notify is not None:
+            self.notify(line)
+
+    def _settle(self, message: _Message) -> None:
+        """The message is stored or given up: its room in the window is free."""
+        with self._room:
+            self._outstanding -= 1
+            self._outstanding_bytes -= message.size
+            self._room.notify_all()
+
+    def _give_up(self, reason: str) -> None:
+        """Everything not stored is failed, from now on too: one line says so."""
+        with self._room:
+            lost = self._outstanding
+            self.failed += lost
+            self.failure = self.failure or reason
+            self._outstanding = self._outstanding_bytes = 0
+            self._queue.clear()
+            self._inflight.clear()
+            self._retry.clear()
+            if self._error is None:
+                self._error = (
+                    f"{self.shown}: {reason}; {lost:,} message{'s' if lost != 1 else ''} "
+                    "not published"
+                )
+            self._room.notify_all()
+
+    def _trouble(self, reason: str) -> None:
+        self._trouble_reason = reason
+        if self._trouble_since is None:
+            self._trouble_since = time.monotonic()
+            self.outages += 1
+            self._say(
+                f"kvctl: {self.shown}: JetStream did not store a message ({reason}); "
+                f"retrying for up to {self.publish_timeout:g} s, new messages wait"
+            )
+
+    def _stored(self, message: _Message, ack: Any) -> None:
+        if getattr(ack, "duplicate", False):
+            self.duplicates += 1
+        else:
+            self.acked += 1
+            if self._highest_stored.get(message.subject, -1) > message.number:
+                self.reordered += 1  # a later message of its worker was stored first
+        if self._highest_stored.get(message.subject, -1) < message.number:
+            self._highest_stored[message.subject] = message.number
+        if self._trouble_since is not None:
+            away = time.monotonic() - self._trouble_since
+            self._trouble_since = None
+            self.outage_s += away
+            self.longest_outage_s = max(self.longest_outage_s, away)
+            self._say(f"kvctl: {self.shown}: JetStream stores again after {away:.1f} s")
+        self._settle(message)
+
+    def _refused(self, message: _Message, exc: BaseException) -> None:
+        """A failed attempt: retried later, or failed at once when retrying cannot help."""
+        reason = _publish_error(exc)
+        if _is_permanent(exc):
+            self.failed += 1
+            self.failure = f"{reason} ({message.size:,} bytes)"
+            self._settle(message)
+            return
+        self._trouble(reason)
+        self._retry.append(message)
+
+    def _out_of_time(self) -> bool:
+        since = self._trouble_since
+        if since is None or time.monotonic() - since < self.publish_timeout:
+            return False
+        self._give_up(
+            f"JetStream stored nothing for {self.publish_timeout:g} s "
+            f"({self._trouble_reason}; see --publish-timeout)"
+        )
+        return True
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except Exception as exc:  # one line, never a traceback
+            self._give_up(f"{type(exc).__name__}: {exc}")
+        finally:
+            self._ready.set()
+            self._done.set()
+            with self._room:
+                self._room.notify_all()
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    async def _main(self) -> None:
+        import nats
+
+        self._wake = asyncio.Event()
+        connected = self._connected = asyncio.Event()
+        errors = self._connect_errors
+        logging.getLogger("asyncio").setLevel(logging.ERROR)  # see Publisher._main
+        disconnecting = False  # our own close: not an outage
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(describe(exc))
+
+        async def on_disconnected() -> None:
+            if not disconnecting and connected.is_set():
+                connected.clear()
+                self._trouble(f"connection lost: {errors[-1] if errors else 'no answer'}")
+
+        async def on_reconnected() -> None:
+            connected.set()
+            assert self._wake is not None
+            self._wake.set()
+
+        try:
+            self._nc = await nats.connect(
+                servers=self.servers,
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                **self.options.connect_kwargs(),
+            )
+        except Exception as exc:
+            reason = errors[0] if errors else describe(exc)
+            self._error = f"{self.shown}: cannot connect to NATS: {reason}"
+            return
+        # once connected, an outage is waited out (failing over between the servers) for as
+        # long as the outage clock allows
+        self._nc.options["max_reconnect_attempts"] = -1
+        connected.set()
+        # nats-py's own bound on pending async publishes stays above the window: a publish
+        # that raised before its future was handed back keeps its slot
+        js = self._nc.jetstream(
+            timeout=self.ACK_TIMEOUT_S, publish_async_max_pending=4 * self.window + 64
+        )
+        self._ready.set()
+        try:
+            await self._pump(js)
+        finally:
+            disconnecting = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._nc.close(), 5)
+
+    async def _pump(self, js: Any) -> None:
+        wake, connected = self._wake, self._connected
+        assert wake is not None and connected is not None
+        max_payload = self._nc.max_payload
+        next_look = 0.0
+        sends = 0
+        while self._error is None:
+            now = time.monotonic()
+            if now >= next_look:  # unanswered publishes, the outage clock
+                next_look = now + 0.05
+                self._expire(now)
+                if self._out_of_time():
+                    return
+            if self._retry:
+                await self._recover(js)
+                continue
+            if not connected.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(connected.wait(), 0.1)
+                continue
+            with self._room:
+                message = self._queue.popleft() if self._queue else None
+            if message is None:
+                if self._closing and not self._inflight:
+                    return
+                wake.clear()
+                if not self._queue:  # (a publish between the look and the clear)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(wake.wait(), 0.05)
+                continue
+            if len(message.payload) > max_payload:
+                self._refused(message, _TooBig(len(message.payload), max_payload))
+                continue
+            await self._send(js, message)
+            sends += 1
+            if sends % 64 == 0:  # let the acks that came meanwhile in: the window moves on
+                await asyncio.sleep(0)
+
+    async def _send(self, js: Any, message: _Message) -> None:
+        message.sent_at = time.monotonic()
+        try:
+            future = await js.publish_async(
+                message.subject, message.payload, headers=message.headers
+            )
+        except Exception as exc:  # the connection broke just now: retried
+            self._refused(message, exc)
+            return
+        message.future = future
+        self._inflight[message.number] = message
+        self.peak_in_flight = max(self.peak_in_flight, len(self._inflight))
+        future.add_done_callback(lambda done, m=message: self._answered(m, done))
+
+    def _answered(self, message: _Message, future: Any) -> None:
+        if future.cancelled() or self._inflight.pop(message.number, None) is None:
+            return  # timed out first (see _expire): already being retried
+        exc = future.exception()
+        if exc is None:
+            self._stored(message, future.result())
+        else:
+            self._refused(message, exc)
+
+    def _expire(self, now: float) -> None:
+        """Publishes unanswered for ACK_TIMEOUT_S are failed attempts (oldest first)."""
+        for number, message in list(self._inflight.items()):
+            if now - message.sent_at < self.ACK_TIMEOUT_S:
+                break
+            del self._inflight[number]
+            message.future.cancel()
+            self._refused(message, asyncio.TimeoutError())
+
+    async def _recover(self, js: Any) -> None:
+        """Store the failed messages again, one at a time, oldest first, before anything
+        newer is sent (what is in flight is answered or expires first)."""
+        connected = self._connected
+        assert connected is not None
+        while self._inflight:
+            await asyncio.sleep(0.01)
+            self._expire(time.monotonic())
+            if self._out_of_time():
+                return
+        self._retry.sort(key=lambda m: m.number)
+        delay = self.BACKOFF_S[0]
+        while self._retry and self._error is None:
+            if self._out_of_time():
+                return
+            if not connected.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(connected.wait(), 0.2)
+                continue
+            message = self._retry[0]
+            self.retried += 1
+            try:
+                ack = await js.publish(
+                    message.subject,
+                    message.payload,
+                    timeout=self.ACK_TIMEOUT_S,
+                    headers=message.headers,
+                )
+            except Exception as exc:
+                self._retry.pop(0)
+                self._refused(message, exc)  # back at the end: sorted again below
+                self._retry.sort(key=lambda m: m.number)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.BACKOFF_S[1])
+                continue
+            self._retry.pop(0)
+            self._stored(message, ack)
+            delay = self.BACKOFF_S[0]
+
+
+class _TooBig(Exception):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"message of {size:,} bytes is over the server's limit of {limit:,}")
+
+
+def _is_permanent(exc: BaseException) -> bool:
+    """Publish failures that no retry cures: too big, or a request the stream refuses as
+    wrong (not a 503, which an election or a restart answers for a while)."""
+    from nats.errors import MaxPayloadError
+    from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
+
+    if isinstance(exc, (_TooBig, MaxPayloadError)):
+        return True
+    if isinstance(exc, (NoStreamResponseError, ServiceUnavailableError)):
+        return False
+    return isinstance(exc, APIError) and exc.code == 400
+
+
+def _publish_error(exc: BaseException) -> str:
+    from nats.js.errors import APIError, NoStreamResponseError
+
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"no ack within {StreamPublisher.ACK_TIMEOUT_S:g} s"
+    if isinstance(exc, NoStreamResponseError):
+        return "no responders (no stream leader)"
+    if isinstance(exc, APIError):
+        return f"JetStream: {exc.description or exc.code}"
+    return describe(exc)
