@@ -517,21 +517,7 @@ def test_a_server_list_with_a_foreign_url_is_a_usage_error() -> None:
         assert "secret" not in str(exc)
 
 
-@pytest.mark.parametrize(
-    "with_gap",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="kvctl record loses the source labels of every row journalled in a "
-                "chunk that holds a Gap row: RowBuffer.build turns the missing worker/dp of "
-                "an unlabelled row into the tagged JSON 'null' (recording/journal.py)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("with_gap", [False, True])
 def test_a_recording_through_the_stream_equals_kvctl_record(
     nats_server: NatsServer, tmp_path, with_gap: bool
 ) -> None:

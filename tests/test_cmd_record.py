@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from conftest import (
     finish,
@@ -302,7 +303,7 @@ def test_partly_recovered_gap_records_only_what_stayed_missing(engine, tmp_path)
     try:
         result = run_main(
             "record",
-            engine.endpoint,
+            f"w0={engine.endpoint}",
             "--replay-endpoint",
             replay.endpoint,
             "-o",
@@ -318,6 +319,10 @@ def test_partly_recovered_gap_records_only_what_stayed_missing(engine, tmp_path)
     info = json.loads(run_main("inspect", str(path), "--json").out)
     assert (info["gaps"], info["missing"]) == (1, 1)
     assert [(g["from_seq"], g["to_seq"]) for g in info["gap_list"]] == [(4, 4)]
+    # the rows journalled beside the Gap row keep their source's worker label
+    table = pq.read_table(path, columns=["type", "worker_id"])
+    labels = {w for t, w in zip(*table.to_pydict().values(), strict=True) if t != "Gap"}
+    assert labels == {"w0"}
 
 
 def test_unwritable_output_is_a_clear_error(tmp_path):

@@ -184,6 +184,8 @@ class RowBuffer:
                     full.append((r[0], r[1], r[2], None, None, r[3], r[4], None))
             cols = list(zip(*full, strict=True))
             exact = cols[7]
+            if not self.labelled:  # null, not the JSON "null": the header's labels apply
+                cols[3] = cols[4] = None
         elif n:
             cols = list(zip(*rows, strict=True))
             if not self.labelled:
