@@ -51,6 +51,8 @@ class SourceSpec:
             scheme, _, hostpath = text.partition("://")
             host, _, subject = hostpath.partition("/")
             return cls("nats", f"{scheme}://{host}", subjects=[subject] if subject else [])
+        if text.startswith("s3://"):  # a dataset in S3
+            return cls("file", text)
         if "://" in text:
             raise UsageError(f"{text}: unknown scheme (use tcp://, ipc://, nats:// or a path)")
         return cls("file", text)
