@@ -446,9 +446,7 @@ def _row_groups(
             if (
                 names is not None
                 and not rg.column(worker).statistics.null_count
-                and not any(
-                    _worker_text(names[0]) <= w <= _worker_text(names[1]) for w in workers
-                )
+                and not any(_worker_text(names[0]) <= w <= _worker_text(names[1]) for w in workers)
             ):
                 continue
         chosen.append(i)
@@ -561,9 +559,7 @@ def _dataset_batches(
     nxt = 0
     while True:
         while nxt < len(pending) and (
-            not heap
-            or pending[nxt].min_recv_ns is None
-            or pending[nxt].min_recv_ns <= heap[0][0]  # type: ignore[operator]
+            not heap or pending[nxt].min_recv_ns is None or pending[nxt].min_recv_ns <= heap[0][0]  # type: ignore[operator]
         ):
             f = pending[nxt]
             nxt += 1
