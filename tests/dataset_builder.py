@@ -82,12 +82,14 @@ def build_dataset(
             continue
         messages = sorted(set(rows.column("_stream_seq").to_pylist()))
         per = -(-len(messages) // segments_per_partition)
+        covered = 0  # a recorder names a segment after the last: they tile the seq line
         for start in range(0, len(messages), per):
             chunk = messages[start : start + per]
-            first, last = chunk[0], chunk[-1]
+            first, last = covered + 1, chunk[-1]
+            covered = last
             seg_rows = rows.filter(
                 pc.and_(
-                    pc.greater_equal(rows.column("_stream_seq"), first),
+                    pc.greater_equal(rows.column("_stream_seq"), chunk[0]),
                     pc.less_equal(rows.column("_stream_seq"), last),
                 )
             )
