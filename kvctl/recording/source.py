@@ -41,9 +41,13 @@ class RecordingSource:
 
         for path in self.paths:
             try:
-                yield from open_recording(
+                batches = open_recording(
                     path, batch_size=self.chunk_rows, selection=self.selection
                 )
+                if getattr(self.selection, "partition", None) is None:
+                    yield from batches
+                else:  # a recording that is no dataset holds every partition's workers
+                    yield from (b for b in batches if self.selection.keeps_batch(b))
             except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
                 raise TransportError(f"{path}: cannot read recording: {exc}") from None
 
