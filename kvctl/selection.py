@@ -28,6 +28,10 @@ class Filters:
     """``(I, N)``: only the workers of partition I of N (``kvctl check --partition``): those
     :func:`kvctl.partitions.partition_of` puts there, by :func:`batch_partition_key`."""
 
+    needs_frames: bool = True
+    """The consumer reads batches' raw frames; False lets a dataset leave them unread (a
+    batch then comes without frames): ``kvctl stats`` only models the events."""
+
     def keeps_batch(self, batch: Batch) -> bool:
         """The batch belongs to the selected partition (always, without one)."""
         if self.partition is None:

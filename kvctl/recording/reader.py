@@ -251,8 +251,11 @@ def file_metadata(path: Path) -> dict[str, Any]:
 #   sorted by receive time: a row group of a file sorted by worker is no time range, so
 #   nothing smaller is a sorted run. Segments of one partition follow each other in time, so
 #   the files open at once are about one per partition: memory is bounded by the segment size
-#   times the number of partitions (times the overlap of consecutive segments' time ranges,
-#   which is small), never by the dataset's row count.
+#   (in memory, of the columns read: a selection with ``needs_frames`` False leaves the raw
+#   frames unread) times the number of partitions (times the overlap of consecutive
+#   segments' time ranges, which is small), never by the dataset's row count. Recorders that
+#   cut segments by size keep it bounded; a reader needing less would merge per-worker runs
+#   (a cursor per worker and file), which costs a reader per worker.
 
 
 @dataclass(frozen=True)
@@ -517,17 +520,27 @@ def dataset_record_batches(
             yield from table.to_batches()
 
 
-def _time_sorted(plan: DatasetPlan, f: DatasetFile, selection: Any) -> pa.Table:
+def _time_sorted(
+    plan: DatasetPlan, f: DatasetFile, selection: Any, batch_size: int
+) -> Iterator[pa.RecordBatch]:
     """A file's selected rows in receive-time order (ties: file order, which keeps a batch's
-    rows together and each worker's messages in stream order)."""
-    table = _parquet(plan.fs, f.path).read_row_groups(list(f.row_groups))
+    rows together and each worker's messages in stream order), ``batch_size`` rows at a time:
+    the file's rows are held once, each chunk is taken from them as it is needed."""
+    pf = _parquet(plan.fs, f.path)
+    columns = None
+    if not getattr(selection, "needs_frames", True):  # the largest columns, often
+        columns = [n for n in pf.schema_arrow.names if n not in ("frames", "frames_codec")]
+    table = pf.read_row_groups(list(f.row_groups), columns=columns)
     mask = _row_mask(table, selection)
     if mask is not None:
         table = table.filter(mask)
     order = pa.table(
         {"recv_ns": table.column("recv_ns"), "pos": pa.array(range(table.num_rows), pa.int64())}
     )
-    return table.take(pc.sort_indices(order, [("recv_ns", "ascending"), ("pos", "ascending")]))
+    indices = pc.sort_indices(order, [("recv_ns", "ascending"), ("pos", "ascending")])
+    del order
+    for start in range(0, len(indices), batch_size):
+        yield from table.take(indices.slice(start, batch_size)).to_batches()
 
 
 def _dataset_batches(
@@ -538,8 +551,7 @@ def _dataset_batches(
     import heapq
 
     def items(f: DatasetFile) -> Iterator[Batch | Gap]:
-        table = _time_sorted(plan, f, selection)
-        yield from _assemble(iter(table.to_batches(max_chunksize=batch_size)), include_gaps)
+        yield from _assemble(_time_sorted(plan, f, selection, batch_size), include_gaps)
 
     rank = {f.path: n for n, f in enumerate(plan.files)}  # ties between files: stream order
     pending = sorted(
