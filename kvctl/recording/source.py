@@ -41,9 +41,7 @@ class RecordingSource:
 
         for path in self.paths:
             try:
-                batches = open_recording(
-                    path, batch_size=self.chunk_rows, selection=self.selection
-                )
+                batches = open_recording(path, batch_size=self.chunk_rows, selection=self.selection)
                 if getattr(self.selection, "partition", None) is None:
                     yield from batches
                 else:  # a recording that is no dataset holds every partition's workers
