@@ -8,8 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import Engine, free_port, removed, stored
 from dataset_builder import build_dataset
-from inprocess import run_main
+from inprocess import Live, run_main
+
+from kvctl.partitions import partition_of
 
 N = 4
 EXAMPLES = "100000"  # every finding kept: the merged examples are the whole's, order aside
@@ -125,3 +128,36 @@ def test_merge_refuses_a_partition_given_twice(recording, tmp_path):
 def test_partition_must_be_i_of_n(recording, value):
     result = run_main("check", str(recording), "--partition", value)
     assert result.code == 2 and "I/N" in result.err
+
+
+def test_a_live_source_keeps_only_the_partitions_workers(endpoint):
+    label = {partition_of(str(w), 2): str(w) for w in range(8)}  # a worker in each partition
+    mine, other = Engine(endpoint), Engine(f"tcp://127.0.0.1:{free_port()}")
+
+    def talk(_: Live) -> None:
+        mine.wait_for()
+        other.wait_for()
+        mine.send([stored([1])])
+        mine.send([stored([2], parent=1)])
+        other.send([removed([99])])  # KV101 on partition 1's worker: not partition 0's
+
+    try:
+        result = run_main(
+            "check",
+            f"{label[0]}={mine.endpoint}",
+            f"{label[1]}={other.endpoint}",
+            "--partition",
+            "0/2",
+            "--idle-timeout",
+            "1.5",
+            "--json",
+            "-q",
+            alongside=talk,
+        )
+    finally:
+        mine.close()
+        other.close()
+    assert result.code == 0, result.err
+    report = json.loads(result.out)
+    assert report["workers"] == [f"{label[0]}[dp0]"] and report["batches"] == 2
+    assert report["rules"] == []  # neither the other worker's KV101 nor a KV306 for its source

@@ -266,7 +266,10 @@ def command(
     def on_open(source: Any) -> None:
         nonlocal started
         started = time.monotonic()  # --idle-timeout counts from the start, like the pipeline's
-        addresses.extend(live_addresses(source, sources))
+        live = live_addresses(source, sources)
+        if partition is not None and live:
+            live = _in_partition(list(sources.addresses), live, partition)
+        addresses.extend(live)
         out.say(f"kvctl: checking {shown_sources(sources.addresses)}", "dim")
 
     summary = Summary()
@@ -316,6 +319,23 @@ def command(
     out.say(f"kvctl: {summary.line()}", "dim")
     if fail:
         raise click.exceptions.Exit(int(ExitCode.FINDINGS))
+
+
+def _in_partition(
+    arguments: list[str], addresses: list[str], partition: tuple[int, int]
+) -> list[str]:
+    """The live sources whose silence partition I's check reports (KV306): a ZMQ engine whose
+    label (else address) lands in partition I; a NATS server, carrying many workers, always."""
+    from ..partitions import partition_key, partition_of
+    from ..pipeline import SourceSpec
+
+    kept = []
+    for argument, address in zip(arguments, addresses, strict=True):
+        spec = SourceSpec.parse(argument)
+        key = partition_key(spec.worker_id, spec.address)
+        if spec.kind != "zmq" or partition_of(key, partition[1]) == partition[0]:
+            kept.append(address)
+    return kept
 
 
 def parse_partition(text: str) -> tuple[int, int]:
