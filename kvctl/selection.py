@@ -32,6 +32,12 @@ class Filters:
     """The consumer reads batches' raw frames; False lets a dataset leave them unread (a
     batch then comes without frames): ``kvctl stats`` only models the events."""
 
+    since_ns: int | None = None
+    until_ns: int | None = None
+    """A receive-time window (ns, inclusive) a dataset need not read outside of: its files,
+    row groups and rows there are skipped. Not applied by :meth:`apply`: a command that sets
+    it applies its own rule too (``kvctl index --until TIME``)."""
+
     def keeps_batch(self, batch: Batch) -> bool:
         """The batch belongs to the selected partition (always, without one)."""
         if self.partition is None:

@@ -102,6 +102,18 @@ def snapshot_of(source: Path, tmp_path: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+def test_index_until_a_time_leaves_later_segments_unread(recording, tmp_path):
+    build_dataset(recording, tmp_path / "ds", "flat", PARTITIONS, 3)
+    times = sorted(b.recv_ns for b in open_recording(recording))
+    until = times[len(times) // 4]
+    # the footers' recv_ns statistics put the later segments past the moment: unread
+    assert plan_dataset(tmp_path / "ds", Filters(until_ns=until)).skipped_files >= PARTITIONS
+    moment = f"{until / 1e9:.9f}"
+    assert snapshot_of(tmp_path / "ds", tmp_path, "--until", moment) == snapshot_of(
+        recording, tmp_path, "--until", moment
+    )
+
+
 def test_index_builds_the_same_snapshot(recording, dataset, tmp_path):
     assert snapshot_of(dataset, tmp_path) == snapshot_of(recording, tmp_path)
     times = sorted(b.recv_ns for b in open_recording(recording))
@@ -176,13 +188,8 @@ def test_a_worker_selection_skips_row_groups_by_their_statistics(recording, tmp_
     ]
 
 
-class Window(Filters):
-    """A time window on top of the filters (what a --since/--until would push down)."""
-
-    def __init__(self, since_ns: int | None, until_ns: int | None) -> None:
-        super().__init__()
-        self.since_ns = since_ns
-        self.until_ns = until_ns
+def Window(since_ns: int | None, until_ns: int | None) -> Filters:  # noqa: N802
+    return Filters(since_ns=since_ns, until_ns=until_ns)
 
 
 def test_a_time_window_skips_files_and_keeps_the_rows_in_it(recording, tmp_path):
