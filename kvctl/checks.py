@@ -836,3 +836,102 @@ def dump_prefixes(dump: Any) -> dict[WorkerKey, dict[Any, Hashable]]:
                     tokens[h] = th & U64_MASK if type(th) is int else None
                     above = h
     return {w: prefix_keys(held, local[w]) for w, held in parents.items()}
+
+
+# --- merging the reports of a sharded check (kvctl check --partition I/N ... --merge) --------
+
+_REPORT_KEYS = ("rules", "batches", "events", "workers", "sources", "fail_on")
+
+
+class NotACheckReport(ValueError):
+    """What ``check --merge`` was given is not the JSON report of ``kvctl check --json``."""
+
+
+def validate_report(document: Any) -> dict[str, Any]:
+    """``document`` if it is a ``check --json`` report, else :class:`NotACheckReport`."""
+    if not isinstance(document, dict):
+        raise NotACheckReport("not a JSON object")
+    missing = [k for k in _REPORT_KEYS if k not in document]
+    if missing:
+        raise NotACheckReport(f"no {', '.join(missing)} (not a `kvctl check --json` report)")
+    if not isinstance(document["rules"], list) or not all(
+        isinstance(r, dict) and isinstance(r.get("id"), str) and type(r.get("count")) is int
+        for r in document["rules"]
+    ):
+        raise NotACheckReport("its rules are not a list of {id, count, ...}")
+    for key in ("batches", "events"):
+        if type(document[key]) is not int:
+            raise NotACheckReport(f"{key} is not an integer")
+    for key in ("workers", "sources"):
+        if not isinstance(document[key], list):
+            raise NotACheckReport(f"{key} is not a list")
+    return document
+
+
+def _merge_values(a: Any, b: Any) -> Any:
+    """Counts add up, maps merge key by key, lists concatenate; anything else is kept when
+    equal, else the distinct values are listed."""
+    if type(a) is int and type(b) is int or type(a) is float and type(b) is float:
+        return a + b
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = _merge_values(out[k], v) if k in out else v
+        return out
+    if isinstance(a, list) and isinstance(b, list):
+        return a + b
+    return a if a == b else [a, b]
+
+
+def _partition_order(report: dict[str, Any]) -> tuple[int, int]:
+    part = report.get("partition")
+    if isinstance(part, dict) and type(part.get("index")) is int:
+        return (0, part["index"])
+    return (1, 0)
+
+
+def merge_reports(reports: list[dict[str, Any]], max_examples: int) -> dict[str, Any]:
+    """The report one check of the whole would give, from the reports of checks of disjoint
+    sets of workers (the partitions of a dataset or a stream): counts summed, workers and
+    sources united (sorted, as a check lists them), each rule's examples concatenated in
+    partition order (the order the reports were given without one) and cut at
+    ``max_examples``, rules by id. Exact when every check read all its workers' messages
+    and, for the examples, when no rule fired more than ``max_examples`` times in a shard;
+    ``--expect-workers`` is judged per shard (KV306)."""
+    ordered = sorted(reports, key=_partition_order)
+    rules: dict[str, dict[str, Any]] = {}
+    for report in ordered:
+        for rule in report["rules"]:
+            seen = rules.get(rule["id"])
+            if seen is None:
+                rules[rule["id"]] = {**rule, "examples": list(rule.get("examples") or [])}
+                continue
+            seen["count"] += rule["count"]
+            seen["examples"] = seen["examples"] + list(rule.get("examples") or [])
+            if "details" in rule:
+                seen["details"] = _merge_values(seen.get("details", {}), rule["details"])
+    for rule in rules.values():
+        rule["examples"] = rule["examples"][:max_examples]
+    merged_rules = [rules[k] for k in sorted(rules)]
+    totals = {
+        severity: sum(r["count"] for r in merged_rules if r.get("severity") == severity)
+        for severity in (ERROR, WARNING, INFO)
+    }
+    merged: dict[str, Any] = {
+        "ok": totals[ERROR] == 0,
+        "errors": totals[ERROR],
+        "warnings": totals[WARNING],
+        "infos": totals[INFO],
+        "batches": sum(r["batches"] for r in ordered),
+        "events": sum(r["events"] for r in ordered),
+        "workers": sorted({w for r in ordered for w in r["workers"]}),
+        "sources": sorted({s for r in ordered for s in r["sources"]}),
+        "rules": merged_rules,
+    }
+    against = [r["against"] for r in ordered if isinstance(r.get("against"), dict)]
+    if against:
+        value = against[0]
+        for other in against[1:]:
+            value = _merge_values(value, other)
+        merged["against"] = value
+    return merged

@@ -54,6 +54,8 @@ class SourceSpec:
             servers, subject = split_nats_url(text)  # the subject after the last server
             servers_of(servers)  # one usage line for a list that is not all NATS URLs
             return cls("nats", servers, subjects=[subject] if subject else [])
+        if text.startswith("s3://"):  # a dataset in S3
+            return cls("file", text)
         if "://" in text:
             raise UsageError(f"{text}: unknown scheme (use tcp://, ipc://, nats:// or a path)")
         return cls("file", text)

@@ -24,14 +24,46 @@ class Limits:
 class Filters:
     types: frozenset[str] = frozenset()
     workers: frozenset[str] = frozenset()
+    partition: tuple[int, int] | None = None
+    """``(I, N)``: only the workers of partition I of N (``kvctl check --partition``): those
+    :func:`kvctl.partitions.partition_of` puts there, by :func:`batch_partition_key`."""
+
+    needs_frames: bool = True
+    """The consumer reads batches' raw frames; False lets a dataset leave them unread (a
+    batch then comes without frames): ``kvctl stats`` only models the events."""
+
+    since_ns: int | None = None
+    until_ns: int | None = None
+    """A receive-time window (ns, inclusive) a dataset need not read outside of: its files,
+    row groups and rows there are skipped. Not applied by :meth:`apply`: a command that sets
+    it applies its own rule too (``kvctl index --until TIME``)."""
+
+    def keeps_batch(self, batch: Batch) -> bool:
+        """The batch belongs to the selected partition (always, without one)."""
+        if self.partition is None:
+            return True
+        from .partitions import partition_of
+
+        index, count = self.partition
+        return partition_of(batch_partition_key(batch), count) == index
 
     def apply(self, batch: Batch) -> list[Event]:
+        if not self.keeps_batch(batch):
+            return []
         events = batch.events
         if self.types:
             events = [e for e in events if e.get("type") in self.types]
         if self.workers and str(batch.worker_id) not in self.workers:
             events = [e for e in events if str(e.get("worker_id", batch.worker_id)) in self.workers]
         return events
+
+
+def batch_partition_key(batch: Batch) -> str:
+    """What a batch is partitioned by (:func:`kvctl.partitions.partition_key`): its worker
+    label as the recording's ``worker_id`` column shows it, else its source."""
+    from .partitions import partition_key
+
+    return partition_key(batch.worker_id, batch.source)
 
 
 @dataclass(frozen=True)

@@ -48,16 +48,19 @@ def interrupted(summary: Summary) -> str:
     return summary.line()
 
 
-def open_source(sources: Sources, out: Output, typed: bool = False) -> Any:
+def open_source(
+    sources: Sources, out: Output, typed: bool = False, selection: Filters | None = None
+) -> Any:
     """Recordings, or live sources (returned at once: a missing engine or NATS server is
     waited for while the pipeline runs, with notices on stderr unless quiet). ``typed``: the
-    consumers read typed events too (see :class:`~kvctl.pipeline.LiveSource`)."""
+    consumers read typed events too (see :class:`~kvctl.pipeline.LiveSource`); ``selection``:
+    what a dataset need not read (its files of other workers)."""
     specs = [SourceSpec.parse(s) for s in sources.addresses]
     files = [s for s in specs if s.kind == "file"]
     if files and len(files) != len(specs):
         raise UsageError("recordings and live sources cannot be mixed in one command")
     if files:
-        return RecordingSource([s.address for s in files])
+        return RecordingSource([s.address for s in files], selection=selection)
     notify = None if out.quiet else out.say
     c = sources.connection
     if c is None:  # a command without source options: the defaults
@@ -86,7 +89,7 @@ def stream(
     """tap/cat: print events from SOURCEs until a stop condition, then the summary."""
     sink = out.events_sink()
     # JSON lines (and the diagnostics) read typed events; the readable view reads dicts
-    source = open_source(sources, out, typed=out.as_json)
+    source = open_source(sources, out, typed=out.as_json, selection=selection)
     summary = Summary()
     # a signal right after the "reading" line still gets the summary
     on_interrupt(lambda: interrupted(summary), out.quiet)
@@ -163,7 +166,7 @@ def read(
     ``tick`` runs between batches and at idle polls (return False to stop); ``on_open`` gets
     the opened source. Ctrl-C propagates (see :func:`on_interrupt`: the command has said what
     it then prints, from ``summary``)."""
-    source = open_source(sources, out)
+    source = open_source(sources, out, selection=selection)
     try:
         if on_open is not None:
             on_open(source)

@@ -89,11 +89,13 @@ class StatsCollector:
     ``bucket_s`` is the rate/occupancy resolution; when a stream spans more than
     ``max_buckets`` buckets they are merged pairwise (bucket width doubles), so memory stays
     bounded on long recordings. At most ``max_lifetimes`` lifetimes per worker are kept
-    (reservoir sampling with a fixed seed beyond that: deterministic results).
+    (reservoir sampling with a fixed seed beyond that: deterministic results), and the overall
+    lifetime summary is of at most ``max_lifetimes`` of them, drawn from each worker's in
+    proportion to the removals it saw: memory does not grow with the row count.
     """
 
     def __init__(
-        self, bucket_s: float = 1.0, max_buckets: int = 3600, max_lifetimes: int = 1_000_000
+        self, bucket_s: float = 1.0, max_buckets: int = 3600, max_lifetimes: int = 100_000
     ) -> None:
         self.bucket_s = bucket_s
         self.max_buckets = max_buckets
@@ -245,12 +247,30 @@ class StatsCollector:
 
     # --- result ----------------------------------------------------------------------------
 
+    def _overall_lifetimes(self) -> Any:
+        """Every worker's lifetimes while they fit ``max_lifetimes``; beyond, a sample of that
+        size, each worker's share in proportion to the removals it saw (a fixed seed)."""
+        kept = {k: c.lifetimes for k, c in self.state.workers.items() if c.lifetimes is not None}
+        if sum(len(v) for v in kept.values()) <= self.max_lifetimes:
+            out = array("d")
+            for key in sorted(kept, key=worker_label):
+                out.extend(kept[key])
+            return out
+        seen = {k: max(self._seen_lifetimes.get(k, len(v)), len(v)) for k, v in kept.items()}
+        total = sum(seen.values())
+        rng = random.Random(0)
+        sample = array("d")
+        for key in sorted(kept, key=worker_label):
+            share = min(len(kept[key]), round(self.max_lifetimes * seen[key] / total))
+            sample.extend(rng.sample(list(kept[key]), share))
+        return sample
+
     def result(self) -> dict[str, Any]:
         """Everything as a JSON-ready dict (string keys, no bytes)."""
         self._cap_lifetimes()
         state = self.state
         workers: dict[str, Any] = {}
-        all_lifetimes: list[float] = []
+        all_lifetimes = self._overall_lifetimes()
         for key in sorted(self.per_worker, key=worker_label):
             counts = self.per_worker[key]
             cache = state.workers.get(key)
@@ -260,8 +280,7 @@ class StatsCollector:
             w["blocks_cached"] = len(cache.blocks) if cache else 0
             w["max_blocks_cached"] = cache.max_blocks if cache else 0
             w["cleared"] = cache.cleared if cache else 0
-            lts = list(cache.lifetimes) if cache and cache.lifetimes is not None else []
-            all_lifetimes.extend(lts)
+            lts = cache.lifetimes if cache and cache.lifetimes is not None else []
             w["lifetime_s"] = lifetime_summary(lts)
             w["lifetime_s"].pop("histogram", None)
             wr = self.worker_rates.get(key, [])

@@ -15,9 +15,7 @@ if TYPE_CHECKING:
 
 
 @click.command("cat", cls=KvctlCommand)
-@click.argument(
-    "sources", nargs=-1, required=True, metavar="RECORDING...", type=click.Path(exists=True)
-)
+@click.argument("sources", nargs=-1, required=True, metavar="RECORDING...")
 @filter_options
 @limit_options
 @output_options
@@ -30,11 +28,16 @@ def command(
     """Print the events of recordings (files, segment directories or journals) in recorded
     order, with tap's formatter, filters and stop conditions.
 
+    A dataset (the segments of partitioned recorders, flat or hive, in a directory or
+    s3://bucket/prefix) prints in receive-time order, merged across its partitions and
+    segments; --worker then skips the files, row groups and rows of other workers unread.
+
     \b
     Example:
       kvctl cat run.parquet
       kvctl cat run.parquet --json --hash-format string --type BlockRemoved | jq .block_hashes
       kvctl cat segments/ -c 20 --worker 3
+      kvctl cat s3://bucket/fleet/ --worker 7 -c 100
     """
     from ..session import stream
 

@@ -156,6 +156,20 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
     "FILE.",
 )
 @index_timeout_option("--against")
+@click.option(
+    "--partition",
+    metavar="I/N",
+    callback=lambda ctx, param, value: None if value is None else parse_partition(value),
+    help="Check only the workers of partition I of N (0 <= I < N): of a dataset, only the "
+    "segments of partition I are read; of a live source, other workers' batches are skipped. "
+    "Exact for those workers: merge the shards' --json reports with --merge.",
+)
+@click.option(
+    "--merge",
+    is_flag=True,
+    help="SOURCEs are the --json reports of checks of disjoint workers (--partition I/N): "
+    "print the report one check of them all gives, and exit as it would.",
+)
 @reporting("No live findings or summary on stderr.")
 def command(
     sources: Sources, selection: Filters, limits: Limits, out: Output, **params: Any
@@ -172,6 +186,14 @@ def command(
     on Ctrl-C (the report is still printed). Sources that published nothing are KV306.
     --worker narrows the check to some workers; --type hides the other event types from the
     cache model too, so expect KV101/KV102 findings with it.
+
+    A dataset (the segments of partitioned recorders in a directory, or s3://bucket/prefix) is
+    read in receive-time order. A big one is checked in shards, one per partition, and the
+    reports merged; the merge equals one check of the whole (rules are per worker):
+
+    \b
+      kvctl check data/ --partition 0/4 --json > r0.json   # ... up to 3/4
+      kvctl check --merge r0.json r1.json r2.json r3.json
 
     \b
     Example:
@@ -192,6 +214,12 @@ def command(
     from ..pipeline import Summary
     from ..session import live_addresses, on_interrupt, read
 
+    if params["merge"]:
+        merge_command(list(sources.addresses), out, params["fail_on"], params["max_examples"])
+        return
+    partition = params["partition"]
+    if partition is not None:
+        selection.partition = partition
     quiet = out.quiet
     max_examples = params["max_examples"]
     against = _RouterIndex.open(params["against"], params["index_timeout"])
@@ -216,6 +244,8 @@ def command(
                 out.say(f"kvctl: {f.rule}: further findings are counted, not printed", "dim")
 
     def consume(batch: Batch) -> None:
+        if not selection.keeps_batch(batch):  # a live source's workers of other partitions
+            return
         found = checker.feed(batch)
         if found:
             say(found)
@@ -236,7 +266,10 @@ def command(
     def on_open(source: Any) -> None:
         nonlocal started
         started = time.monotonic()  # --idle-timeout counts from the start, like the pipeline's
-        addresses.extend(live_addresses(source, sources))
+        live = live_addresses(source, sources)
+        if partition is not None and live:
+            live = _in_partition(list(sources.addresses), live, partition)
+        addresses.extend(live)
         out.say(f"kvctl: checking {shown_sources(sources.addresses)}", "dim")
 
     summary = Summary()
@@ -265,6 +298,11 @@ def command(
                     "fail_on": params["fail_on"],
                     "exit_code": int(code),
                     "stream": summary.to_json(),
+                    **(
+                        {"partition": {"index": partition[0], "count": partition[1]}}
+                        if partition is not None
+                        else {}
+                    ),
                 }
             )
         else:
@@ -281,6 +319,121 @@ def command(
     out.say(f"kvctl: {summary.line()}", "dim")
     if fail:
         raise click.exceptions.Exit(int(ExitCode.FINDINGS))
+
+
+def _in_partition(
+    arguments: list[str], addresses: list[str], partition: tuple[int, int]
+) -> list[str]:
+    """The live sources whose silence partition I's check reports (KV306): a ZMQ engine whose
+    label (else address) lands in partition I; a NATS server, carrying many workers, always."""
+    from ..partitions import partition_key, partition_of
+    from ..pipeline import SourceSpec
+
+    kept = []
+    for argument, address in zip(arguments, addresses, strict=True):
+        spec = SourceSpec.parse(argument)
+        key = partition_key(spec.worker_id, spec.address)
+        if spec.kind != "zmq" or partition_of(key, partition[1]) == partition[0]:
+            kept.append(address)
+    return kept
+
+
+def parse_partition(text: str) -> tuple[int, int]:
+    """``I/N`` with 0 <= I < N, else click's usage error (exit 2)."""
+    index, sep, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        i = n = -1
+    if not sep or n < 1 or not 0 <= i < n:
+        raise click.BadParameter(f"{text!r} is not I/N with 0 <= I < N (e.g. 0/4)")
+    return i, n
+
+
+def merge_command(paths: list[str], out: Output, fail_on: str, max_examples: int) -> None:
+    """``--merge``: one report from the shards' reports; exit 3 when it fails (--fail-on)."""
+    import json
+    from pathlib import Path
+
+    from ..checks import NotACheckReport, Report, RuleResult, merge_reports, validate_report
+    from ..errors import UsageError
+    from ..pipeline import Summary
+
+    reports = []
+    counts: list[tuple[Any, Any]] = []
+    for path in paths:
+        try:
+            report = validate_report(json.loads(Path(path).read_text()))
+        except OSError as exc:
+            raise UsageError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        except (ValueError, NotACheckReport) as exc:
+            why = str(exc) if isinstance(exc, NotACheckReport) else "not JSON"
+            raise UsageError(f"{path}: not a kvctl check --json report ({why})") from None
+        part = report.get("partition")
+        if isinstance(part, dict):
+            counts.append((part.get("index"), part.get("count")))
+        reports.append(report)
+    if counts:
+        if len(counts) != len(reports) or len({n for _, n in counts}) != 1:
+            raise UsageError("--merge: every report must come from --partition I/N, one same N")
+        if len(set(counts)) != len(counts):
+            raise UsageError("--merge: a partition is given twice")
+    merged = merge_reports(reports, max_examples)
+    try:
+        results = [
+            RuleResult(
+                RULES[r["id"]],
+                r["count"],
+                [Finding(**e) for e in r["examples"]],
+                r.get("details") or {},
+            )
+            for r in merged["rules"]
+        ]
+    except (KeyError, TypeError):
+        raise UsageError(
+            "--merge: a report names a rule or example this kvctl does not know"
+        ) from None
+    whole = Report(
+        results, merged["batches"], merged["events"], merged["workers"], merged["sources"]
+    )
+    fail = failed(whole, fail_on)
+    code = ExitCode.FINDINGS if fail else ExitCode.OK
+    streams = [r["stream"] for r in reports if isinstance(r.get("stream"), dict)]
+    summary = Summary()
+    stopped = sorted({str(s.get("stopped_by")) for s in streams}) or ["end of input"]
+    summary.stopped_by = ", ".join(stopped)
+    if out.as_json:
+        stream: dict[str, Any] = {}
+        for s in streams:
+            stream = s if not stream else _merge_stream(stream, s)
+        out.json(
+            {
+                **merged,
+                "failed": fail,
+                "fail_on": fail_on,
+                "exit_code": int(code),
+                "stream": stream,
+                "merged": len(reports),
+            }
+        )
+    else:
+        print_report(whole, summary, fail, out.stdout)
+    if fail:
+        raise click.exceptions.Exit(int(ExitCode.FINDINGS))
+
+
+def _merge_stream(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Shards' stream summaries: counts summed, the longest elapsed time, the stop reasons."""
+    from ..checks import _merge_values
+
+    out = {k: v for k, v in a.items() if k not in ("elapsed_s", "stopped_by")}
+    for k, v in b.items():
+        if k not in ("elapsed_s", "stopped_by"):
+            out[k] = _merge_values(out[k], v) if k in out else v
+    out["elapsed_s"] = max(a.get("elapsed_s") or 0, b.get("elapsed_s") or 0)
+    reasons = {r for s in (a, b) for r in str(s.get("stopped_by")).split(", ")}
+    out["stopped_by"] = ", ".join(sorted(reasons))
+    return out
 
 
 class _RouterIndex:

@@ -118,6 +118,10 @@ def command(
         kind = source_kind(sources.addresses)
     if until is not None and kind != "recording":
         raise UsageError("--until reads recordings (files or segment directories) only")
+    if until is not None and until.kind == "time":
+        # a dataset's later files stay unread; 1 ms of slack for the float seconds, since
+        # until.keeps (below) decides what is indexed
+        selection.until_ns = int(until.limit * 1e9) + 1_000_000
     if output is not None and output.exists() and not params["overwrite"]:
         raise UsageError(f"{output} exists (--overwrite replaces it)")
     served = Served(index, kind)

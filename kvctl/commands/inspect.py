@@ -14,21 +14,31 @@ if TYPE_CHECKING:
 
 
 @click.command("inspect", cls=KvctlCommand)
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", metavar="PATH")
 @json_report_option
 def command(path: str, as_json: bool) -> None:
     """Show a recording's schema version, time range, seq range per publisher, counts by type
     and worker, gaps, malformed messages, size and compression ratio.
 
+    PATH may be a dataset (the segments of partitioned recorders, flat or hive, in a
+    directory or s3://bucket/prefix): then also its streams, partitions, segments, rows, the
+    stream seqs each partition covers and the holes between its segments (seqs no segment
+    holds: data a recorder lost).
+
     \b
     Example:
       kvctl inspect run.parquet
       kvctl inspect segments/ --json | jq .by_type
+      kvctl inspect data/ --json | jq .dataset
     """
-    from ..errors import TransportError
+    from pathlib import Path
+
+    from ..errors import TransportError, UsageError
     from ..output import Output
     from ..recording.info import recording_info
 
+    if not path.startswith("s3://") and not Path(path).exists():
+        raise UsageError(f"{path}: no such recording or dataset")
     try:
         info = recording_info(path)
     except (OSError, ValueError) as exc:
@@ -83,6 +93,8 @@ def _print(info: dict[str, Any], console: Console) -> None:
             for name, n in sorted(counts.items(), key=lambda kv: -kv[1]):
                 table.add_row(escape(str(name)), str(n))
             console.print(table, soft_wrap=False)
+    if info.get("dataset"):
+        _print_dataset(info["dataset"], console)
     publishers = info.get("publishers") or {}
     if publishers:
         table = Table(title="sequence per publisher", title_justify="left")
@@ -94,5 +106,33 @@ def _print(info: dict[str, Any], console: Console) -> None:
                 str(p.get("min_seq")),
                 str(p.get("max_seq")),
                 str(p.get("batches")),
+            )
+        console.print(table, soft_wrap=False)
+
+
+def _print_dataset(dataset: dict[str, Any], console: Console) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..text import plural
+
+    for name, stream in dataset.get("streams", {}).items():
+        parts = stream.get("partitions", {})
+        table = Table(
+            title=f"dataset ({dataset.get('layout')}): stream {escape(name)}, "
+            f"{plural(len(parts), 'partition')}",
+            title_justify="left",
+        )
+        for col in ("partition", "segments", "rows", "first seq", "last seq", "holes"):
+            table.add_column(col, justify="left" if col == "holes" else "right")
+        for index, p in sorted(parts.items(), key=lambda kv: int(kv[0])):
+            holes = ", ".join(f"{a}-{b}" for a, b in p.get("holes", [])) or "none"
+            table.add_row(
+                index,
+                str(p.get("segments")),
+                f"{p.get('rows', 0):,}",
+                str(p.get("first_seq")),
+                str(p.get("last_seq")),
+                holes if not p.get("holes") else f"[red]{holes}[/]",
             )
         console.print(table, soft_wrap=False)

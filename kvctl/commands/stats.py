@@ -242,6 +242,7 @@ def command(
         require_matplotlib()  # before a capture that may take minutes
     quiet = out.quiet
     collector = StatsCollector(bucket_s=params["interval"])
+    selection.needs_frames = False  # a dataset's raw frames stay unread: only events count
 
     def on_open(source: Any) -> None:
         out.say(f"kvctl: reading {shown_sources(sources.addresses)}", "dim")

@@ -57,12 +57,16 @@ class CacheUnusable(Exception):
 
 def recording_key(path: Path) -> list[list[Any]]:
     """What identifies the content of a recording: name, size and mtime of its file, or of
-    every file of its directory (segments, journals, manifest)."""
-    files = sorted(f for f in path.iterdir() if SUFFIX not in f.name) if path.is_dir() else [path]
+    every file under its directory, at any depth (segments, journals, manifest; a hive
+    dataset's segments are three directories down)."""
+    if not path.is_dir():
+        st = path.stat()
+        return [[path.name, st.st_size, st.st_mtime_ns]]
+    files = sorted(f for f in path.rglob("*") if f.is_file() and SUFFIX not in f.name)
     key = []
     for f in files:
         st = f.stat()
-        key.append([f.name, st.st_size, st.st_mtime_ns])
+        key.append([f.relative_to(path).as_posix(), st.st_size, st.st_mtime_ns])
     return key
 
 

@@ -14,7 +14,16 @@ from ..redact import redact_metadata
 from .counts import Counts
 from .journal import journal_metadata
 from .layout import NotARecording
-from .reader import DAMAGE, file_metadata, record_batches, recording_sources
+from .reader import (
+    DAMAGE,
+    DatasetPlan,
+    dataset_record_batches,
+    file_metadata,
+    is_dataset,
+    plan_dataset,
+    record_batches,
+    recording_sources,
+)
 from .tagged_json import from_json_value
 
 _INFO_COLUMNS = [
@@ -37,6 +46,8 @@ def recording_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     schema version, metadata, files and sizes, time range, seq range per publisher, counts by
     type and worker, gaps, malformed count, and size on disk / raw frame bytes."""
     try:
+        if is_dataset(path):
+            return _dataset_info(str(path))
         return _recording_info(Path(path))
     except DAMAGE as exc:
         raise NotARecording(f"damaged recording ({type(exc).__name__}: {exc})") from None
@@ -56,13 +67,107 @@ def _recording_info(root: Path) -> dict[str, Any]:
             metadata = meta.get("metadata", {})
             schema_version = meta.get("schema_version")
         files.append({"path": str(p), "kind": kind, "bytes": st})
+    info = _scan(record_batches(root, columns=_INFO_COLUMNS, batch_size=64 * 1024))
+    raw = info["raw_bytes"]
+    return {
+        "path": str(root),
+        "schema_version": schema_version,
+        "kvctl_version": _first_version(sources),
+        "metadata": redact_metadata(metadata),  # recordings of older versions held secrets
+        "files": files,
+        "bytes": size,
+        "ratio": size / raw if raw else None,
+        **info,
+        "journals": sum(k == "journal" for k, _ in sources),  # read from unconverted journals
+    }
+
+
+def _dataset_info(location: str) -> dict[str, Any]:
+    """A dataset's info: what a recording's says (its rows scanned in storage order, an
+    aggregate being order-free), and ``dataset``: its streams, partitions, segments, and each
+    partition's seq coverage with its holes (see :func:`partition_coverage`)."""
+    plan = plan_dataset(location)
+    first = plan.files[0].metadata if plan.files else {}
+    size = sum(f.bytes for f in plan.files)
+    info = _scan(dataset_record_batches(plan, _INFO_COLUMNS))
+    raw = info["raw_bytes"]
+    return {
+        "path": location,
+        "schema_version": first.get("schema_version"),
+        "kvctl_version": next(
+            (f.metadata["kvctl_version"] for f in plan.files if f.metadata.get("kvctl_version")),
+            None,
+        ),
+        "metadata": redact_metadata(first.get("metadata", {})),
+        "files": [{"path": f.path, "kind": "parquet", "bytes": f.bytes} for f in plan.files],
+        "bytes": size,
+        "ratio": size / raw if raw else None,
+        **info,
+        "journals": 0,
+        "dataset": dataset_layout(plan),
+    }
+
+
+def dataset_layout(plan: DatasetPlan) -> dict[str, Any]:
+    """Streams, partitions and segments of a dataset, from the segments' names and footers."""
+    streams: dict[str, dict[str, Any]] = {}
+    layouts = set()
+    for f in plan.files:
+        relative = f.path[len(plan.root) :].lstrip("/")
+        layouts.add("hive" if "/" in relative else "flat")
+        stream = streams.setdefault(f.segment.stream, {"partitions": {}})
+        part = stream["partitions"].setdefault(
+            str(f.segment.partition), {"segments": 0, "rows": 0, "bytes": 0, "ranges": []}
+        )
+        part["segments"] += 1
+        part["rows"] += f.rows
+        part["bytes"] += f.bytes
+        part["ranges"].append((f.segment.first, f.segment.last))
+    for stream in streams.values():
+        for part in stream["partitions"].values():
+            part.update(partition_coverage(part.pop("ranges")))
+    return {
+        "layout": "/".join(sorted(layouts)),
+        "segments": plan.segments,
+        "streams": streams,
+    }
+
+
+def partition_coverage(ranges: list[tuple[int, int]]) -> dict[str, Any]:
+    """The stream seqs a partition's segments cover, and the holes between them. A recorder
+    names each segment after the last (FIRST = the previous LAST + 1: the seqs between that
+    it did not receive are other partitions'), so a seq range no segment covers was never
+    written: a recorder lost it (killed, and the stream's copy expired). Overlaps (a
+    segment written twice) are counted too."""
+    holes: list[list[int]] = []
+    overlaps = 0
+    ordered = sorted(ranges)
+    covered_to = None
+    for first, last in ordered:
+        if covered_to is not None:
+            if first > covered_to + 1:
+                holes.append([covered_to + 1, first - 1])
+            elif first <= covered_to:
+                overlaps += 1
+        covered_to = last if covered_to is None else max(covered_to, last)
+    return {
+        "first_seq": ordered[0][0] if ordered else None,
+        "last_seq": covered_to,
+        "holes": holes,
+        "missing_seqs": sum(b - a + 1 for a, b in holes),
+        "overlaps": overlaps,
+    }
+
+
+def _scan(batches: Any) -> dict[str, Any]:
+    """Counts, types, workers, seq ranges and gaps over rows of ``_INFO_COLUMNS``."""
     counts = Counts()
     by_type: dict[str, int] = {}
     by_worker: dict[str, int] = {}
     publishers: dict[str, dict[str, Any]] = {}
     gaps: list[dict[str, Any]] = []
     ts_lo = ts_hi = None
-    for rb in record_batches(root, columns=_INFO_COLUMNS, batch_size=64 * 1024):
+    for rb in batches:
         counts.add_record_batch(rb)
         # Counts by type and worker are of events (event_index set): kvctl's own rows (Gap,
         # Malformed, a batch without events) have none, so a producer's event named "Gap"
@@ -92,16 +197,8 @@ def _recording_info(root: Path) -> dict[str, Any]:
             ):
                 g = from_json_value(json.loads(extra)) if extra else {}
                 gaps.append({"publisher": pub, **g})
-    raw = counts.raw_bytes
     return {
-        "path": str(root),
-        "schema_version": schema_version,
-        "kvctl_version": _first_version(sources),
-        "metadata": redact_metadata(metadata),  # recordings of older versions held secrets
-        "files": files,
-        "bytes": size,
-        "raw_bytes": raw,
-        "ratio": size / raw if raw else None,
+        "raw_bytes": counts.raw_bytes,
         "rows": counts.rows,
         "batches": counts.batches,
         "events": counts.events,
@@ -116,7 +213,6 @@ def _recording_info(root: Path) -> dict[str, Any]:
         "by_type": dict(sorted(by_type.items(), key=lambda kv: -kv[1])),
         "by_worker": dict(sorted(by_worker.items(), key=lambda kv: -kv[1])),
         "publishers": publishers,
-        "journals": sum(k == "journal" for k, _ in sources),  # read from unconverted journals
     }
 
 
