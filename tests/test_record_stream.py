@@ -108,9 +108,14 @@ def stream_seqs_on_disk(directory: Path, stream: str, published: dict[int, int])
     FIRST-LAST of partition p holds the messages of p stored in that range: the footer
     counts them, and they must be all of them (``published``: stream seq -> partition)."""
     seqs: list[int] = []
+    covered: dict[int, int] = {}  # partition -> last seq of its previous segment
     for path, seg in segments_of(directory, stream):
         meta = footer(path)
         assert (meta["first_stream_seq"], meta["last_stream_seq"]) == (seg.first, seg.last)
+        # a partition's segments tile the seq line (inspect's holes mean lost data)
+        assert seg.first == covered.get(seg.partition, 0) + 1, (seg, covered)
+        covered[seg.partition] = seg.last
+        assert meta["partitions"] >= 1
         held = [
             s for s, p in published.items() if p == seg.partition and seg.first <= s <= seg.last
         ]
@@ -479,7 +484,7 @@ def test_a_message_delivered_again_is_skipped_and_acked_once_its_segment_is_in_p
     earlier message of the partition)."""
     from kvctl.recording.partition_writer import DatasetWriter
 
-    writer = DatasetWriter(str(tmp_path), "s", [0])
+    writer = DatasetWriter(str(tmp_path), "s", [0], 1)
     try:
         assert writer.resume_points() == {0: 0}
         for seq, (_, fm) in enumerate(workload(workers=1, per_worker=3), start=1):

@@ -486,6 +486,7 @@ def _record_stream(
         location,
         stream,
         partitions,
+        total,
         layout=params["layout"] or "flat",
         rotate_bytes=int(rotate_size or _STREAM_DEFAULT_SIZE),
         rotate_every=rotate_every,
@@ -507,6 +508,7 @@ def _record_stream(
     state = _StreamRun(writer, reader, out, limits)
     try:
         reader.connect()
+        writer.stream_starts_at(layout_probe.first_seq)
         for p in partitions:
             placed = reader.position(p, resume[p])
             if placed.action == "recreated":

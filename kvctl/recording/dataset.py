@@ -8,8 +8,14 @@ Layouts of ``DIR``::
     flat: DIR/STREAM.pPP.FIRST-LAST.parquet
     hive: DIR/dt=YYYY-MM-DD/hour=HH/part=PP/STREAM.pPP.FIRST-LAST.parquet
 
-``FIRST``-``LAST`` is the range of stream sequence numbers the segment holds (JetStream's, of
-the stream ``STREAM``), ``PP`` the partition. A segment is written to a hidden temp name and
+``FIRST``-``LAST`` is the range of stream sequence numbers the segment accounts for
+(JetStream's, of the stream ``STREAM``), ``PP`` the partition: it holds every message of its
+partition stored in that range (the seqs between that it does not hold are other partitions').
+A partition's segments tile the seq line: each ``FIRST`` is the previous ``LAST`` + 1, so a
+range no segment covers was lost (a recorder's messages expired from the stream before they
+were recorded), which ``kvctl inspect`` shows as a hole. Each segment's kvctl footer metadata
+says ``stream``, ``partition``, ``partitions`` (N: readers skip whole partitions for a worker
+selection), ``first_stream_seq``, ``last_stream_seq`` and ``messages``. A segment is written to a hidden temp name and
 renamed into place once complete (on S3, where there is no rename, an object appears only when
 its upload completes), and only then are its messages acknowledged: the highest ``LAST`` of a
 partition is where its recorder resumes. Several recorders may share one ``DIR``: their names

@@ -157,6 +157,7 @@ class DatasetWriter:
         location: str,
         stream: str,
         partitions: list[int],
+        partition_count: int,
         layout: str = "flat",
         rotate_bytes: int = 32_000_000,
         rotate_every: float | None = 60.0,
@@ -168,6 +169,9 @@ class DatasetWriter:
         self.fs, self.root = open_root(location)
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self.stream = stream
+        self.partition_count = partition_count
+        """N of the stream's partitions (in each segment's footer: readers skip whole
+        partitions for a worker selection)."""
         self.layout = layout
         self.rotate_bytes = rotate_bytes
         self.rotate_every = rotate_every
@@ -200,6 +204,13 @@ class DatasetWriter:
         }
         self.handed = dict(self.committed)
         return dict(self.committed)
+
+    def stream_starts_at(self, first_seq: int) -> None:
+        """The stream holds messages from ``first_seq`` on: the ones before it that no
+        segment holds are gone (expired, purged), and the next segments do not claim them
+        (inspect shows them as a hole)."""
+        for p in self.handed:
+            self.handed[p] = max(self.handed[p], first_seq - 1)
 
     def remove_leftovers(self) -> list[str]:
         """Remove the temp segments a killed recorder of these partitions left (incomplete
@@ -374,7 +385,11 @@ class DatasetWriter:
         buf = self.buffers[partition]
         if not len(buf):
             return
-        segment = Segment(self.stream, partition, buf.first_seq, buf.last_seq)
+        # a segment's range starts right after the previous one of its partition: the seqs
+        # between that it did not receive are other partitions' (the consumer's filter), so
+        # consecutive segments tile the seq line and a range no segment covers was lost
+        first = min(self.handed.get(partition, buf.first_seq - 1) + 1, buf.first_seq)
+        segment = Segment(self.stream, partition, first, buf.last_seq)
         job = {
             "location": self.location,
             "relative": segment_path(self.layout, segment, buf.first_recv_ns),
@@ -387,7 +402,8 @@ class DatasetWriter:
                 "sources": sorted(buf.sources),
                 "stream": self.stream,
                 "partition": partition,
-                "first_stream_seq": buf.first_seq,
+                "partitions": self.partition_count,
+                "first_stream_seq": first,
                 "last_stream_seq": buf.last_seq,
                 "messages": len(buf),
                 "recorder": self.recorder,

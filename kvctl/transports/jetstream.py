@@ -109,6 +109,8 @@ class PartitionReader:
         self.tasks: list[concurrent.futures.Future[Any]] = []
         self.fetch_errors = 0
         self.last_error = ""
+        self.first_seq = 0
+        """The stream's first seq, as :meth:`stream_partitions` found it."""
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -167,6 +169,9 @@ class PartitionReader:
             raise TransportError(
                 f"{self.shown}: no stream {self.stream} (create it with `kvctl stream init`)"
             )
+        # the oldest message the stream still holds: what a recorder can no longer get
+        # (expired, purged) is not claimed as recorded
+        self.first_seq = info.state.first_seq or 0
         c = info.config
         transform = c.subject_transform
         layout = StreamLayout.of_stream(
