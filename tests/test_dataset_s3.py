@@ -156,6 +156,50 @@ def test_kill_9_leaves_no_partial_object_and_a_restart_records_everything_once(
     assert sorted(on_s3) == sorted(seqs) and len(on_s3) == len(set(on_s3))
 
 
+_HALF_UPLOAD = """
+import sys, time
+from kvctl.recording.dataset import open_root
+fs, root = open_root(sys.argv[1])
+stream = fs.open_output_stream(root + "/" + sys.argv[2])
+stream.write(b"x" * int(sys.argv[3]))  # past one part: a multipart upload is under way
+stream.flush()
+print("written", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("size", [1_000, 12_000_000], ids=["one request", "multipart"])
+def test_an_upload_killed_halfway_leaves_no_object(s3_env, size):
+    """What pyarrow's S3 output stream leaves when its process is killed before close: no
+    object, whether the file fits one request (sent at close) or not (a multipart upload,
+    which S3 makes an object of only once completed)."""
+    where = prefix()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HALF_UPLOAD, s3_env.url(where), "seg.parquet", str(size)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, **s3_env.env},
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"written\n"
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert objects(s3_env.filesystem, f"{s3_env.BUCKET}/{where}") == []
+    # what stays: an incomplete multipart upload (invisible; a lifecycle rule aborts it)
+    import boto3
+
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s3_env.endpoint,
+        aws_access_key_id="kvctl",
+        aws_secret_access_key="kvctl",
+        region_name="us-east-1",
+    )
+    uploads = s3.list_multipart_uploads(Bucket=s3_env.BUCKET, Prefix=where).get("Uploads", [])
+    assert len(uploads) == (1 if size > 10_000_000 else 0)
+
+
 # --- 2. every reading command reads the S3 dataset ----------------------------------------------
 
 

@@ -39,6 +39,7 @@ from .counts import Counts
 from .dataset import (
     Segment,
     check_bucket,
+    display_location,
     hour_of,
     is_remote,
     leftover_temps,
@@ -168,7 +169,9 @@ class DatasetWriter:
         row_group_rows: int = SEGMENT_ROW_GROUP_ROWS,
         command: list[str] | None = None,
     ) -> None:
-        self.location = location
+        self.location = display_location(location)
+        """Where the dataset is, as shown (keys in an ``s3://KEY:SECRET@`` URL masked)."""
+        self._location = location
         self.fs, self.root = open_root(location)
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self._bucket_checked = False
@@ -410,7 +413,7 @@ class DatasetWriter:
         first = min(self.handed.get(partition, buf.first_seq - 1) + 1, buf.first_seq)
         segment = Segment(self.stream, partition, first, buf.last_seq)
         job = {
-            "location": self.location,
+            "location": self._location,
             "relative": segment_path(self.layout, segment, buf.first_recv_ns),
             "rb": buf.rows.build().rb,
             "compression_level": self.compression_level,
