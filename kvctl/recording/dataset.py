@@ -107,7 +107,7 @@ def is_remote(location: str) -> bool:
 
 S3_CONNECT_TIMEOUT = 5.0
 """Seconds to open a connection to an S3 endpoint (pyarrow's default is the AWS SDK's)."""
-S3_REQUEST_TIMEOUT = 20.0
+S3_REQUEST_TIMEOUT = 15.0
 """Seconds an S3 request may go without receiving a byte before it fails (a stalled endpoint
 must not hang a command: the AWS SDK's own default lets a request wait much longer)."""
 S3_MAX_ATTEMPTS = 3

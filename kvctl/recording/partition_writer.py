@@ -222,6 +222,9 @@ class DatasetWriter:
     def remove_leftovers(self) -> list[str]:
         """Remove the temp segments a killed recorder of these partitions left (incomplete
         copies of messages the stream still holds: they were never acked)."""
+        if not self.local:  # S3: no temp objects (an upload is invisible until complete)
+            self._listed(lambda fs, root: None)
+            return []
         found = self._listed(
             lambda fs, root: leftover_temps(fs, root, self.stream, set(self.buffers))
         )
