@@ -120,6 +120,33 @@ def test_segments_appear_only_complete_with_the_local_names_and_footers(s3_env, 
     }
 
 
+def test_the_same_messages_make_the_same_segments_on_s3_as_on_disk(s3_env, nats_server, tmp_path):
+    """One workload into two streams, one recorded into S3, the other into a directory: the
+    same paths (the stream's name aside), footers and rows."""
+    items = workload(workers=3, per_worker=30)
+    names = stream_name(), stream_name()
+    for name in names:
+        publish(nats_server.url, init_stream(nats_server.url, name, 2), items)
+    where = prefix()
+    options = ("--layout", "hive", "--rotate-size", "4K")
+    assert record_s3(nats_server.url, names[0], s3_env.url(where), *options).code == 0
+    assert record_s3(nats_server.url, names[1], str(tmp_path / "disk"), *options).code == 0
+    on_s3 = download(s3_env.filesystem, f"{s3_env.BUCKET}/{where}", tmp_path / "s3")
+
+    def segments(root: Path, name: str) -> dict[str, Any]:
+        out = {}
+        for path in sorted(root.rglob("*.parquet")):
+            meta = json.loads(pq.read_metadata(path).metadata[b"kvctl"])
+            for varying in ("stream", "recorder", "command"):
+                meta.pop(varying)
+            rows = pq.read_table(path).to_pylist()
+            out[path.relative_to(root).as_posix().replace(name, "STREAM")] = (meta, rows)
+        return out
+
+    assert segments(on_s3, names[0]) == segments(tmp_path / "disk", names[1])
+    assert len(segments(on_s3, names[0])) >= 4
+
+
 def test_kill_9_leaves_no_partial_object_and_a_restart_records_everything_once(
     s3_env, nats_server, tmp_path
 ):
