@@ -548,3 +548,17 @@ def test_s3_going_away_mid_run_stops_the_recorder_and_a_restart_records_everythi
     finally:
         relay.stop()
         server.stop()
+
+
+def test_s3_requests_are_bounded_and_uploads_single_request_when_small():
+    """What open_root gives pyarrow (a pyarrow that changed its options would silently lose
+    them: kvctl falls back to its defaults)."""
+    from kvctl.recording.dataset import S3_CONNECT_TIMEOUT, S3_REQUEST_TIMEOUT, open_root
+
+    fs, root = open_root("s3://bucket/some/prefix/?endpoint_override=http://127.0.0.1:1")
+    options = fs.__reduce__()[1][0]
+    assert root == "bucket/some/prefix"
+    assert options["connect_timeout"] == S3_CONNECT_TIMEOUT
+    assert options["request_timeout"] == S3_REQUEST_TIMEOUT
+    assert options["allow_delayed_open"] is True
+    assert options["endpoint_override"] == "http://127.0.0.1:1"
