@@ -118,15 +118,27 @@ def open_root(location: str) -> tuple[pafs.FileSystem, str]:
     """The file system and root path of a dataset location: a local directory, or
     ``s3://bucket/prefix`` (pyarrow's S3 file system: credentials, region and endpoint from
     the usual AWS environment variables and files, or ``?endpoint_override=...`` in the
-    URL). No I/O: a missing bucket or an unreachable endpoint shows at the first request
-    (see :func:`s3_error`). S3 requests are bounded (:data:`S3_CONNECT_TIMEOUT`,
+    URL). A missing bucket or an unreachable endpoint shows at the first request (see
+    :func:`s3_error`); the one request made here is pyarrow's lookup of the bucket's region
+    when neither the URL (``?region=``), ``AWS_REGION``/``AWS_DEFAULT_REGION`` nor an
+    endpoint says it (OSError). S3 requests are bounded (:data:`S3_CONNECT_TIMEOUT`,
     :data:`S3_REQUEST_TIMEOUT`, :data:`S3_MAX_ATTEMPTS`), and objects are written with a
     single request when they fit one part (``allow_delayed_open``), so that a writer killed
     halfway leaves no multipart upload behind either."""
     if is_remote(location):
-        fs, root = pafs.FileSystem.from_uri(location)
+        fs, root = pafs.FileSystem.from_uri(_with_region(location))
         return _bounded(fs), root.rstrip("/")
     return pafs.LocalFileSystem(), os.path.abspath(location)
+
+
+def _with_region(location: str) -> str:
+    """``location`` with ``?region=`` from the environment when it names none: pyarrow
+    would otherwise ask S3 for the bucket's region (a request, before any other)."""
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    _, _, query = location.partition("?")
+    if not region or any(p.startswith("region=") for p in query.split("&")):
+        return location
+    return f"{location}{'&' if query else '?'}region={region}"
 
 
 def _bounded(fs: pafs.FileSystem) -> pafs.FileSystem:
@@ -159,6 +171,9 @@ def display_location(location: str) -> str:
 _AWS_ERROR = re.compile(r"AWS Error (?P<kind>[A-Z_]+)(?: \(HTTP status (?P<status>\d+)\))?")
 
 
+_DENIED = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "EXPIRED_TOKEN")
+
+
 def s3_error(exc: OSError, location: str) -> str:
     """One line saying why an S3 request for ``location`` failed, what to check, and
     pyarrow's words (the AWS error never holds a secret)."""
@@ -173,14 +188,7 @@ def s3_error(exc: OSError, location: str) -> str:
         why = f"bucket {bucket} does not exist"
     elif kind == "NETWORK_CONNECTION":
         why = "cannot reach the S3 endpoint (AWS_ENDPOINT_URL, ?endpoint_override=)"
-    elif kind in (
-        "ACCESS_DENIED",
-        "INVALID_ACCESS_KEY_ID",
-        "SIGNATURE_DOES_NOT_MATCH",
-    ) or status in (
-        "401",
-        "403",
-    ):
+    elif kind in _DENIED or status in ("401", "403"):
         why = "access denied (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
     else:
         why = "S3 request failed"

@@ -80,8 +80,8 @@ def _remote_key(location: str) -> list[list[Any]]:
 
     from .dataset import open_root, s3_error
 
-    fs, root = open_root(location)
     try:
+        fs, root = open_root(location)
         infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
     except OSError as exc:
         raise OSError(s3_error(exc, location)) from None

@@ -172,7 +172,11 @@ class DatasetWriter:
         self.location = display_location(location)
         """Where the dataset is, as shown (keys in an ``s3://KEY:SECRET@`` URL masked)."""
         self._location = location
-        self.fs, self.root = open_root(location)
+        self._open_error: OSError | None = None
+        try:
+            self.fs, self.root = open_root(location)
+        except OSError as exc:  # S3's region lookup: said by the first listing (remove_leftovers)
+            self.fs, self.root, self._open_error = pafs.S3FileSystem(anonymous=True), "", exc
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self._bucket_checked = False
         self.stream = stream
@@ -236,6 +240,8 @@ class DatasetWriter:
         """``listing(fs, root)``; on S3 the bucket is checked first (a listing takes a
         missing bucket for an empty dataset) and a failure says what to check."""
         try:
+            if self._open_error is not None:
+                raise self._open_error
             if not self.local and not self._bucket_checked:
                 check_bucket(self.fs, self.root)
                 self._bucket_checked = True

@@ -341,8 +341,8 @@ def plan_dataset(location: str | os.PathLike[str], selection: Any = None) -> Dat
     (the ``dt``/``hour`` directories, then the ``recv_ns`` statistics). Every file read is
     checked to be a kvctl recording (:class:`NotARecording` otherwise)."""
     text = str(location)
-    fs, root = open_root(text)
     try:
+        fs, root = open_root(text)
         segments = list_segments(fs, root)
         if not segments:
             check_bucket(fs, root)  # a listing takes a missing bucket for an empty prefix
