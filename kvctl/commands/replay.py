@@ -40,9 +40,23 @@ def parse_window(value: str | None) -> Window | None:
         raise click.BadParameter(f"{value!r}: expected SECONDS or seq:N") from None
 
 
+class RecordingLocation(click.Path):
+    """A recording path that must exist, or a dataset's ``s3://bucket/prefix`` (read, and
+    checked, when the replay starts)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.startswith("s3://"):
+            return value
+        return super().convert(value, param, ctx)
+
+
 @click.command("replay", cls=KvctlCommand)
 @click.argument(
-    "recordings", nargs=-1, required=True, metavar="RECORDING...", type=click.Path(exists=True)
+    "recordings",
+    nargs=-1,
+    required=True,
+    metavar="RECORDING...",
+    type=RecordingLocation(exists=True),
 )
 @target_options
 @nats_auth_options
@@ -132,7 +146,8 @@ def command(
     which later replays memory-map. The cache is a hidden file beside the recording
     (.NAME.<variant>.kvctl-frames), or in --cache-dir / KVCTL_CACHE_DIR, or, when the
     recording's directory is not writable (or is a segment directory and one segment is
-    replayed), in the per-user cache directory ($XDG_CACHE_HOME/kvctl/frames, else
+    replayed, or the recording is a dataset on s3://bucket/prefix), in the per-user cache
+    directory ($XDG_CACHE_HOME/kvctl/frames, else
     ~/.cache/kvctl/frames). It is rebuilt whenever the
     recording (its files' sizes and times), the format options or kvctl change, and whenever
     it is damaged; delete it at any time. --prepare builds it ahead. Filters, -c, the salted
@@ -145,6 +160,7 @@ def command(
       kvctl replay run.parquet --to nats://127.0.0.1:4222 --format dynamo --rate 1000
       kvctl replay run.parquet --to tcp://127.0.0.1:5557 --topspeed --loop 5 --unique-hashes
       kvctl replay --prepare run.parquet --format vllm-array
+      kvctl replay s3://bucket/fleet --to tcp://127.0.0.1:5557
     """
     from ..pacing import PacedSource, Schedule, batch_time
     from ..pipeline import run
@@ -281,9 +297,13 @@ def _cached_frames(
     from ..recording.source import RecordingSource
     from ..targets import NotPreparable, prepared_rows
 
-    recording = Path(path)
-    key = cache_key(recording, variant)
-    where = cache_path(recording, variant, cache_dir)
+    try:
+        key = cache_key(path, variant)  # an s3:// dataset: from its listing
+    except OSError as exc:
+        from ..errors import TransportError
+
+        raise TransportError(f"{path}: cannot read recording: {exc}") from None
+    where = cache_path(path, variant, cache_dir)
     frames = open_cache(where, key)
     if frames is not None:
         return frames, None
@@ -320,7 +340,7 @@ def _prepare(recordings: tuple[str, ...], to: Target, cache_dir: Path | None, ou
             continue
         result = {
             "recording": path,
-            "cache": str(cache_path(Path(path), variant, cache_dir)),
+            "cache": str(cache_path(path, variant, cache_dir)),
             "messages": frames.rows,
             "built": built is not None,
             "seconds": round(built or 0.0, 3),

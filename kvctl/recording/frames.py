@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import __version__
+from .dataset import display_location, is_remote
 from .layout import SEGMENT_RE
 
 CACHE_VERSION = 1
@@ -55,10 +56,14 @@ class CacheUnusable(Exception):
     """The cache cannot be written here (the caller replays without it)."""
 
 
-def recording_key(path: Path) -> list[list[Any]]:
+def recording_key(path: Path | str) -> list[list[Any]]:
     """What identifies the content of a recording: name, size and mtime of its file, or of
     every file under its directory, at any depth (segments, journals, manifest; a hive
-    dataset's segments are three directories down)."""
+    dataset's segments are three directories down), or of every object under an
+    ``s3://bucket/prefix`` (their sizes and last-modified times, from one listing)."""
+    if is_remote(str(path)):
+        return _remote_key(str(path))
+    path = Path(path)
     if not path.is_dir():
         st = path.stat()
         return [[path.name, st.st_size, st.st_mtime_ns]]
@@ -70,11 +75,35 @@ def recording_key(path: Path) -> list[list[Any]]:
     return key
 
 
-def cache_key(path: Path, variant: dict[str, Any]) -> dict[str, Any]:
+def _remote_key(location: str) -> list[list[Any]]:
+    import pyarrow.fs as pafs
+
+    from .dataset import open_root, s3_error
+
+    try:
+        fs, root = open_root(location)
+        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+    except OSError as exc:
+        raise OSError(s3_error(exc, location)) from None
+    return sorted(
+        [info.path[len(root) :].lstrip("/"), info.size, info.mtime_ns]
+        for info in infos
+        if info.type == pafs.FileType.File
+    )
+
+
+def _identity(recording: Path | str) -> str:
+    """The recording's absolute path, or its ``s3://`` location (credentials masked: the
+    key is written into the cache file)."""
+    text = str(recording)
+    return display_location(text) if is_remote(text) else str(Path(recording).resolve())
+
+
+def cache_key(path: Path | str, variant: dict[str, Any]) -> dict[str, Any]:
     return {
         "cache_version": CACHE_VERSION,
         "kvctl": __version__,
-        "recording": str(path.resolve()),
+        "recording": _identity(path),
         "files": recording_key(path),
         "variant": variant,
     }
@@ -85,21 +114,27 @@ def user_cache_dir() -> Path:
     return Path(base) / "kvctl" / "frames"
 
 
-def cache_path(recording: Path, variant: dict[str, Any], cache_dir: Path | None) -> Path:
+def cache_path(recording: Path | str, variant: dict[str, Any], cache_dir: Path | None) -> Path:
     """Where the cache of ``recording`` for ``variant`` lives: in ``cache_dir`` if given,
     else beside the recording (a hidden file), else, when that directory is not writable, in
     the per-user cache directory. Outside the recording's directory the name carries a
     digest of the recording's absolute path, so that two ``run.parquet`` do not meet. A
     segment replayed alone is not cached beside it: its directory holds a recording, which
-    kvctl keeps to its own files."""
+    kvctl keeps to its own files. A dataset on S3 is cached in ``cache_dir`` or the per-user
+    cache directory (never in the bucket)."""
     tag = hashlib.sha256(json.dumps(variant, sort_keys=True).encode()).hexdigest()[:12]
+    identity = _identity(recording)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    if is_remote(identity):
+        base = identity.split("?")[0].rstrip("/").rpartition("/")[2] or "s3"
+        return (cache_dir or user_cache_dir()) / f"{digest}-{base}.{tag}{SUFFIX}"
+    recording = Path(recording)
     name = f"{recording.name}.{tag}{SUFFIX}"
     beside = recording.resolve().parent
     segment = SEGMENT_RE.match(recording.name) is not None
     if cache_dir is None and not segment and os.access(beside, os.W_OK | os.X_OK):
         return beside / f".{name}"
     where = cache_dir if cache_dir is not None else user_cache_dir()
-    digest = hashlib.sha256(str(recording.resolve()).encode()).hexdigest()[:12]
     return where / f"{digest}-{name}"
 
 

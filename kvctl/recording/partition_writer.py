@@ -38,10 +38,14 @@ from .convert import DEFAULT_ZSTD_LEVEL, Decoder, parquet_options
 from .counts import Counts
 from .dataset import (
     Segment,
+    check_bucket,
+    display_location,
     hour_of,
+    is_remote,
     leftover_temps,
     list_segments,
     open_root,
+    s3_error,
     segment_path,
     temp_path,
 )
@@ -165,9 +169,16 @@ class DatasetWriter:
         row_group_rows: int = SEGMENT_ROW_GROUP_ROWS,
         command: list[str] | None = None,
     ) -> None:
-        self.location = location
-        self.fs, self.root = open_root(location)
+        self.location = display_location(location)
+        """Where the dataset is, as shown (keys in an ``s3://KEY:SECRET@`` URL masked)."""
+        self._location = location
+        self._open_error: OSError | None = None
+        try:
+            self.fs, self.root = open_root(location)
+        except OSError as exc:  # S3's region lookup: said by the first listing (remove_leftovers)
+            self.fs, self.root, self._open_error = pafs.S3FileSystem(anonymous=True), "", exc
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
+        self._bucket_checked = False
         self.stream = stream
         self.partition_count = partition_count
         """N of the stream's partitions (in each segment's footer: readers skip whole
@@ -198,7 +209,7 @@ class DatasetWriter:
         """Per partition, the last stream seq a segment in the dataset holds (0: none)."""
         from .dataset import committed_through
 
-        segments = list_segments(self.fs, self.root)
+        segments = self._listed(list_segments)
         self.committed = {
             p: committed_through(segments, self.stream, p) for p in sorted(self.buffers)
         }
@@ -215,10 +226,30 @@ class DatasetWriter:
     def remove_leftovers(self) -> list[str]:
         """Remove the temp segments a killed recorder of these partitions left (incomplete
         copies of messages the stream still holds: they were never acked)."""
-        found = leftover_temps(self.fs, self.root, self.stream, set(self.buffers))
+        if not self.local:  # S3: no temp objects (an upload is invisible until complete)
+            self._listed(lambda fs, root: None)
+            return []
+        found = self._listed(
+            lambda fs, root: leftover_temps(fs, root, self.stream, set(self.buffers))
+        )
         for path in found:
             self.fs.delete_file(path)
         return found
+
+    def _listed(self, listing: Any) -> Any:
+        """``listing(fs, root)``; on S3 the bucket is checked first (a listing takes a
+        missing bucket for an empty dataset) and a failure says what to check."""
+        try:
+            if self._open_error is not None:
+                raise self._open_error
+            if not self.local and not self._bucket_checked:
+                check_bucket(self.fs, self.root)
+                self._bucket_checked = True
+            return listing(self.fs, self.root)
+        except OSError as exc:
+            if self.local:
+                raise
+            raise OSError(s3_error(exc, self.location)) from None
 
     # --- receiving ---------------------------------------------------------------------------
 
@@ -391,7 +422,7 @@ class DatasetWriter:
         first = min(self.handed.get(partition, buf.first_seq - 1) + 1, buf.first_seq)
         segment = Segment(self.stream, partition, first, buf.last_seq)
         job = {
-            "location": self.location,
+            "location": self._location,
             "relative": segment_path(self.layout, segment, buf.first_recv_ns),
             "rb": buf.rows.build().rb,
             "compression_level": self.compression_level,
@@ -481,14 +512,33 @@ def _ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+_failed: str | None = None
+"""In the segment writer process: why a segment failed to be written, once one did (no
+segment is written after it)."""
+
+
 def write_segment(job: dict[str, Any]) -> dict[str, Any]:
     """In the segment writer process: decode a segment's journal rows as the converter does,
     sort them by (worker_id, dp_rank, seq) (stable), write the Parquet file where no reader
     sees it until complete; its relative path, rows and bytes."""
+    global _failed
+    if _failed is not None:
+        # a later segment in place would move its partition's resume point past the one
+        # that failed: the failed one's messages (never acked) would be skipped as recorded
+        raise OSError(f"not written after an earlier segment failed ({_failed})")
     fs, root = open_root(job["location"])
     table, counts = segment_table(job["rb"])
     meta = {**job["meta"], "counts": counts.as_dict()}
-    size = _write(fs, root, job["relative"], table, meta, job)
+    try:
+        size = _write(fs, root, job["relative"], table, meta, job)
+    except OSError as exc:
+        if is_remote(job["location"]):  # pyarrow's words, led by what to check
+            exc = OSError(s3_error(exc, job["location"]))
+        _failed = str(exc)
+        raise exc from None
+    except BaseException as exc:
+        _failed = f"{type(exc).__name__}: {exc}"
+        raise
     return {"relative": job["relative"], "rows": table.num_rows, "bytes": size}
 
 
@@ -526,11 +576,8 @@ def _write(
     options = parquet_options(job["compression_level"])
     metadata = {METADATA_KEY: json.dumps(meta)}
     rows = job["row_group_rows"]
-    if not isinstance(fs, pafs.LocalFileSystem):  # an object appears only when complete
-        fs.create_dir(final.rpartition("/")[0], recursive=True)
-        with fs.open_output_stream(final) as sink:
-            _parquet(sink, table, options, metadata, rows)
-        return int(fs.get_file_info(final).size or 0)
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return _upload(fs, final, table, options, metadata, rows)
     from pathlib import Path
 
     directory = os.path.dirname(final)
@@ -546,6 +593,28 @@ def _write(
         raise
     fsync_dir(Path(directory))
     return os.path.getsize(final)
+
+
+def _upload(
+    fs: pafs.FileSystem, final: str, table: pa.Table, options: dict, metadata: dict, rows: int
+) -> int:
+    """S3 has no rename: the whole file is made in memory first, then sent to its final key.
+    An object appears only when its upload completes: a file smaller than a part goes in one
+    request at close (``allow_delayed_open``, see :func:`~kvctl.recording.dataset.open_root`);
+    a larger one as a multipart upload, which S3 makes an object of only when it is
+    completed, with every part uploaded (an upload left by a killed writer stays invisible
+    until the bucket's lifecycle rule aborts it). The object's size is checked against the
+    file's before the segment counts as in place."""
+    sink = pa.BufferOutputStream()
+    _parquet(sink, table, options, metadata, rows)
+    data = sink.getvalue()
+    stream = fs.open_output_stream(final)
+    stream.write(data)
+    stream.close()
+    size = fs.get_file_info(final).size
+    if size != data.size:
+        raise OSError(f"{final}: the object holds {size} bytes, not the {data.size} sent")
+    return int(size)
 
 
 def _parquet(where: Any, table: pa.Table, options: dict, metadata: dict, rows: int) -> None:

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from ..events import Batch
 from .convert import event_batches
-from .dataset import Segment, is_remote, list_segments, open_root
+from .dataset import Segment, check_bucket, is_remote, list_segments, open_root, s3_error
 from .journal import NotAJournal, journal_header
 from .layout import JOURNAL_SUFFIX, MANIFEST_NAME, SEGMENT_JOURNAL_RE, SEGMENT_RE, NotARecording
 from .rebuild import columns_to_pylists, rows_to_batches
@@ -341,8 +341,15 @@ def plan_dataset(location: str | os.PathLike[str], selection: Any = None) -> Dat
     (the ``dt``/``hour`` directories, then the ``recv_ns`` statistics). Every file read is
     checked to be a kvctl recording (:class:`NotARecording` otherwise)."""
     text = str(location)
-    fs, root = open_root(text)
-    segments = list_segments(fs, root)
+    try:
+        fs, root = open_root(text)
+        segments = list_segments(fs, root)
+        if not segments:
+            check_bucket(fs, root)  # a listing takes a missing bucket for an empty prefix
+    except OSError as exc:
+        if not is_remote(text):
+            raise
+        raise OSError(s3_error(exc, text)) from None
     if not segments:
         raise FileNotFoundError(f"no dataset at {text} (no segments)")
     workers = frozenset(getattr(selection, "workers", None) or ())
