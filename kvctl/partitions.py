@@ -292,10 +292,11 @@ class FleetMessage:
         dp_rank = get(HEADER_DP_RANK)
         if dp_rank is not None and "%" in dp_rank:
             dp_rank = unquote(dp_rank)
-        events = get(HEADER_EVENTS)
-        if events is not None:
+        said = get(HEADER_EVENTS)
+        events = None
+        if said is not None:
             try:
-                events = int(events)
+                events = int(said)
             except ValueError:
                 raise ValueError("a Kvctl-Events header that is not a number") from None
         try:

@@ -120,7 +120,7 @@ def _raw_client_class() -> type:
     if _RAW_CLIENT is None:
         from nats.aio.client import Client
 
-        class RawClient(Client):  # type: ignore[misc]
+        class RawClient(Client):
             def __init__(self) -> None:
                 super().__init__()
                 self.raw_sinks: dict[int, Callable[[bytes, bytes, bytes, bytes | None], None]]
