@@ -34,6 +34,7 @@ from typing import Any
 
 from ..errors import TransportError
 from ..redact import redact_url
+from ..text import plural
 from .nats import NatsOptions, describe, servers_of
 
 FETCH_BATCH = 1000
@@ -87,12 +88,6 @@ def stream_seq(msg: Any) -> int:
     if len(tokens) >= 11:
         return int(tokens[7])
     return int(msg.metadata.sequence.stream)
-
-
-def _seq_of_ack(reply: bytes) -> int:
-    """:func:`stream_seq` of a raw ack subject."""
-    tokens = reply.split(b".")
-    return int(tokens[5] if len(tokens) == 9 else tokens[7])
 
 
 def parse_headers(raw: bytes | None) -> dict[str, str] | None:
@@ -176,6 +171,14 @@ class PartitionReader:
         self.fetch_errors = 0
         self.last_error = ""
         self.first_seq = 0
+        self.received: dict[int, int] = {}
+        """Per partition, the last stream seq delivered to the recorder (or it resumes
+        after: :meth:`position`)."""
+        self.delivery_seqs: dict[int, int] = {}
+        """Per partition, the consumer's delivery seq of the last message taken (0: none
+        yet from this consumer)."""
+        self.lost: dict[int, int] = {}
+        """Partitions whose consumer's deliveries were lost: how many (:meth:`_recover_lost`)."""
         """The stream's first seq, as :meth:`stream_partitions` found it."""
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
@@ -273,9 +276,13 @@ class PartitionReader:
         ``committed`` and nothing is delivered-but-unacked, else deleted and made again
         (acks lost after a segment was committed, a consumer that acked past what the
         dataset holds, another filter)."""
-        return self._call(self._position(partition, committed))
+        placed = self._call(self._position(partition, committed))
+        self.received[partition] = committed
+        return placed
 
-    async def _position(self, partition: int, committed: int) -> Positioned:
+    async def _position(self, partition: int, committed: int, lost: bool = False) -> Positioned:
+        """``lost``: made again whatever it holds (its pull requests waiting are this
+        reader's own)."""
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         name = consumer_name(self.stream, partition)
@@ -284,7 +291,7 @@ class PartitionReader:
         reason = ""
         if info is not None:
             floor = info.ack_floor.stream_seq if info.ack_floor else 0
-            if info.num_waiting:  # pull requests of another reader, or a dead one's
+            if info.num_waiting and not lost:  # another reader's pull requests, or a dead one's
                 await asyncio.sleep(FETCH_WAIT_S * 2)  # a dead one's expire by then
                 info = await self._api(self.js.consumer_info(self.stream, name))
                 if info.num_waiting:
@@ -298,7 +305,7 @@ class PartitionReader:
                 and info.config.ack_wait is not None
                 and info.config.ack_wait >= self.ack_wait_s
             )
-            if same and floor == committed and not info.num_ack_pending:
+            if same and floor == committed and not info.num_ack_pending and not lost:
                 return Positioned(partition, name, "kept", ack_floor=floor)
             if not same:
                 reason = "its settings differ"
@@ -339,7 +346,8 @@ class PartitionReader:
         recorder at each wakeup (a batch per socket read, not per message); while the queue
         is full the request's messages wait here and no new request is sent (bounded).
         Failures (a server restarting, a leader election) are counted and retried, bounded by
-        the recorder's own stop conditions."""
+        the recorder's own stop conditions; deliveries lost on the way, see
+        :meth:`_recover_lost`."""
         nc = self.nc
         loop = asyncio.get_running_loop()
         consumer = consumer_name(self.stream, partition)
@@ -352,15 +360,22 @@ class PartitionReader:
             arrived.append((subject, reply, data, headers))
             wake.set()
 
-        inbox = nc.new_inbox()
         sub = None
         waiting: list[Delivered] = []  # taken, not yet in the queue
         while not self.stop.is_set():
             try:
+                if partition in self.lost:  # nothing from the old inbox is taken any more
+                    if sub is not None:
+                        nc.raw_sinks.pop(sub._id, None)
+                        with contextlib.suppress(Exception):
+                            await sub.unsubscribe()
+                        sub = None
+                    arrived.clear()
+                    await self._recover_lost(partition)
                 if sub is None:
-                    sub = await nc.subscribe(inbox)
+                    sub = await nc.subscribe(nc.new_inbox())
                     nc.raw_sinks[sub._id] = sink
-                await nc.publish(pull, request, reply=inbox)
+                await nc.publish(pull, request, reply=sub.subject)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -390,6 +405,26 @@ class PartitionReader:
             if failure:
                 await self._failed(partition, failure)
 
+    async def _recover_lost(self, partition: int) -> None:
+        """Deliveries were lost (the consumer's delivery seq jumped: messages in flight on a
+        dead connection, or on a route to a node that died). The server would deliver them
+        again only after the ack wait, and the next segment's ack (AckPolicy all) would ack
+        them unrecorded; the messages after them were not taken. So the consumer is made
+        again to deliver right after the last message taken (the caller reads a new inbox:
+        what the old consumer still had on the way is not taken). What the recorder holds
+        unwritten is at or below that message: a recorder killed before writing it resumes
+        from the disk (:meth:`_position`)."""
+        received = self.received.get(partition, 0)
+        placed = await self._position(partition, received, lost=True)
+        missed = self.lost.pop(partition)
+        self.delivery_seqs[partition] = 0
+        missing = plural(missed, "delivery", "deliveries", thousands=True)
+        self.notify(
+            f"kvctl: partition {partition}: {missing} "
+            f"did not arrive; consumer {placed.consumer} made again, delivering from stream "
+            f"seq {received + 1}"
+        )
+
     def _take(
         self,
         partition: int,
@@ -398,16 +433,33 @@ class PartitionReader:
         owed: int,
         failure: str,
     ) -> tuple[int, str]:
-        """Stored messages into ``into``; what the request still owes, and why it failed
-        (a status other than "no messages" / "request timeout")."""
+        """Stored messages into ``into``, up to a lost delivery (then the request is over and
+        :attr:`lost` says so); what the request still owes, and why it failed (a status
+        other than "no messages" / "request timeout")."""
         append = into.append
+        last = self.received.get(partition, 0)
+        last_delivery = self.delivery_seqs.get(partition, 0)
         for subject, reply, data, headers in taken:
             if reply[:8] == b"$JS.ACK.":
                 owed -= 1
+                # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<delivery seq>.<ts>.<pending>
+                # (or with domain and account hash after ACK: two more tokens)
+                tokens = reply.split(b".")
+                at = 5 if len(tokens) == 9 else 7
+                seq, delivery = int(tokens[at]), int(tokens[at + 1])
+                # a consumer numbers every delivery; a new leader may deliver again from
+                # where its replica was (lower: duplicates, skipped by the recorder)
+                if last_delivery and delivery > last_delivery + 1:
+                    self.lost[partition] = delivery - last_delivery - 1
+                    owed = 0
+                    break
+                last_delivery = delivery
+                if seq > last:
+                    last = seq
                 append(
                     Delivered(
                         partition,
-                        _seq_of_ack(reply),
+                        seq,
                         subject.decode(),
                         parse_headers(headers),
                         data,
@@ -421,6 +473,8 @@ class PartitionReader:
                 owed = 0  # the request is over (expired, or ended by the server: 409 ...)
                 if code not in (b"404", b"408"):
                     failure = headers[9:].split(b"\r\n")[0].decode(errors="replace").strip()
+        self.received[partition] = last
+        self.delivery_seqs[partition] = last_delivery
         return owed, failure
 
     def _hand_over(self, delivered: list[Delivered]) -> bool:
