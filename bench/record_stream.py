@@ -8,17 +8,20 @@ then times, on the same stored messages:
 - (a) the limit: one bare nats-py pull consumer per partition (in one process, one event
   loop), ``fetch`` + ``ack`` of every message, nothing else;
 - (b) ``kvctl record NATS --stream NAME --partition 0,1,2,3/4 -o TMP`` as a subprocess,
-  from its start until its consumers have acked everything (consumer info: num_pending == 0
-  and num_ack_pending == 0, polled every 50 ms); then it is stopped with SIGINT.
+  until its consumers have acked everything (consumer info: num_pending == 0 and
+  num_ack_pending == 0, polled every 10 ms); then it is stopped with SIGINT.
 
-Printed: messages/s and events/s (medians of ``--rounds``), the ratio to the bare loop, the
-CPU seconds of the recorder and of its segment writer process (RUSAGE_CHILDREN of the
-recorder's process tree, as this script reaps it), and its peak RSS (from ``--json``).
-(b)'s time includes the recorder's start-up (imports, connecting, positioning: ~0.5 s) and
-its last segment's wait for a rotation boundary: the recorder runs with ``--rotate-every 1``
-by default (``--record-args``), so that the tail is at most a second, as it is in a fleet.
+Printed, medians of ``--rounds``: messages/s and events/s and the ratio to the bare loop of
+(b) from its start, from when it is up (its consumers exist: imported, connected,
+positioned) to all acked, and from up to all delivered (num_pending == 0: the receive loop's
+own pace; acks wait for the segment writer process); the recorder's CPU (its own process,
+from /proc, before SIGINT; per message once up) and its segment writer's (RUSAGE_CHILDREN,
+as this script reaps the recorder), and their peak RSS (from ``--json``). The recorder runs
+with ``--rotate-every 1`` (``--record-args``), so that its last segment waits at most a
+second for a rotation boundary. ``--profile FILE`` attaches py-spy to the last round's
+recorder (collapsed stacks: ``flamegraph.pl FILE > prof.svg``).
 
-    python bench/record_stream.py [--messages 100000] [--rounds 3]
+    python bench/record_stream.py [--messages 100000] [--rounds 3] [--profile FILE]
 """
 
 from __future__ import annotations
