@@ -21,6 +21,7 @@ RUNS = {
     "index.py": ["--workers", "2", "--requests", "50", "--rounds", "1", "--blocks", "3000"]
     + ["--prompt-tokens", "2048", "--queries", "20"],
     "record_disk.py": ["--events", "3000", "--columns"],
+    "record_stream.py": ["--messages", "2000", "--rounds", "1"],
     "record_disk.py --tokens random": ["--tokens", "random", "--batches", "300"],
     "sim_throughput.py": ["--workers", "2", "--requests", "50", "--repeat", "1"],
     "simulate_output.py": ["--requests", "50", "--rounds", "1"],

@@ -585,7 +585,7 @@ class _StreamRun:
                 if self._take(self.reader.receive(wait)):
                     last_message = time.monotonic()
                 for p in writer.due(time.time()):
-                    writer.cut(p)
+                    self._cut(p)
                 for done in writer.completed():  # in place: only now acked
                     self._ack(done.partition, done.handle)
                 for p, handle in writer.pending_acks().items():
@@ -613,8 +613,23 @@ class _StreamRun:
             if why is not None:
                 self._malformed(why)
             if writer.full(d.partition):
-                writer.cut(d.partition)
+                self._cut(d.partition)
         return len(delivered)
+
+    def _cut(self, partition: int) -> None:
+        """Cut a segment; while more than a rotation's worth (one a partition, and one more)
+        wait for the segment writer, acking what it completes. The receive loop outruns the
+        writer process on a backlog: without this, segments would queue up for it in memory
+        (the fetch tasks stop asking for messages once the receive queue is full)."""
+        from concurrent.futures import wait
+
+        writer = self.writer
+        writer.cut(partition)
+        limit = len(writer.buffers) + 1
+        while len(writer.in_flight) > limit:
+            wait([writer.in_flight[0][0]], timeout=0.5)
+            for done in writer.completed():
+                self._ack(done.partition, done.handle)
 
     def _malformed(self, why: str) -> None:
         kind = why.split(" (")[0]

@@ -9,6 +9,13 @@ awaited (double acks: the server says it took them) before the recorder counts t
 
 A consumer is positioned by :meth:`PartitionReader.position`, from what the dataset on disk
 holds (the disk is the truth, see :mod:`kvctl.recording.partition_writer`).
+
+Receiving is the recorder's hot path, and nats-py's ``fetch`` costs ~25 us a message in the
+client thread (a task, a ``wait_for`` and a uuid per ``next_msg``, a header parser, a ``Msg``
+object), which the receive loop then waits for on the GIL. So each partition's task asks for
+messages itself (the JetStream pull request ``$JS.API.CONSUMER.MSG.NEXT``, as ``fetch`` sends
+it) on an inbox of its own whose messages nats-py hands over as bytes
+(:func:`_raw_client_class`): no per-message task or object but the :class:`Delivered`.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
 import queue
 import threading
@@ -26,12 +34,18 @@ from typing import Any
 
 from ..errors import TransportError
 from ..redact import redact_url
+from ..text import plural
 from .nats import NatsOptions, describe, servers_of
 
 FETCH_BATCH = 1000
-"""Messages asked for in one pull request."""
+"""Messages asked for in one pull request (and at most this many wait beside the queue)."""
 FETCH_WAIT_S = 1.0
 """How long one pull request waits on the server for messages (then it is asked again)."""
+LOST_REQUEST_S = 2.0
+"""A pull request that neither delivered nor expired (408) this long after it was sent was
+lost (a reconnect): it is sent again."""
+API_PREFIX = "$JS.API"
+"""The JetStream API prefix of ``nc.jetstream()`` (no domain)."""
 MAX_ACK_PENDING = 1_000_000
 """Messages delivered and not yet acked, per consumer: a segment's worth, and more."""
 QUEUE_BATCHES = 8
@@ -48,7 +62,7 @@ class Delivered:
     headers: dict[str, str] | None
     data: bytes
     handle: Any
-    """What :meth:`PartitionReader.ack` takes (the nats-py message)."""
+    """What :meth:`PartitionReader.ack` takes (the message's ack subject)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,53 @@ def stream_seq(msg: Any) -> int:
     if len(tokens) >= 11:
         return int(tokens[7])
     return int(msg.metadata.sequence.stream)
+
+
+def parse_headers(raw: bytes | None) -> dict[str, str] | None:
+    """A message's header block (``NATS/1.0\\r\\nName: value\\r\\n...``) as nats-py gives it:
+    names and values stripped of the whitespace around them, lines without a colon left out
+    (a third of the cost of nats-py's parser: the lines are split once, not decoded one by
+    one)."""
+    if raw is None:
+        return None
+    out = {}
+    for line in raw.decode("utf-8", "replace").split("\r\n")[1:]:
+        name, colon, value = line.partition(":")
+        if colon:
+            out[name.strip()] = value.strip()
+    return out or None
+
+
+def _raw_client_class() -> type:
+    """nats-py's client, where the messages of the subscriptions in ``raw_sinks`` (sid ->
+    sink) skip its per-message work and go to their sink as ``(subject, reply, data, raw
+    headers)``: the recorder's pull inboxes. Every other subscription (API replies, acks'
+    replies) is nats-py's own. Made on first use: nats-py is imported only by commands that
+    use NATS."""
+    global _RAW_CLIENT
+    if _RAW_CLIENT is None:
+        from nats.aio.client import Client
+
+        class RawClient(Client):
+            def __init__(self) -> None:
+                super().__init__()
+                self.raw_sinks: dict[int, Callable[[bytes, bytes, bytes, bytes | None], None]]
+                self.raw_sinks = {}
+
+            async def _process_msg(
+                self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: Any
+            ) -> None:
+                sink = self.raw_sinks.get(sid)
+                if sink is None:
+                    await super()._process_msg(sid, subject, reply, data, headers)
+                else:
+                    sink(subject, reply, data, headers)
+
+        _RAW_CLIENT = RawClient
+    return _RAW_CLIENT
+
+
+_RAW_CLIENT: type | None = None
 
 
 def consumer_name(stream: str, partition: int) -> str:
@@ -110,6 +171,14 @@ class PartitionReader:
         self.fetch_errors = 0
         self.last_error = ""
         self.first_seq = 0
+        self.received: dict[int, int] = {}
+        """Per partition, the last stream seq delivered to the recorder (or it resumes
+        after: :meth:`position`)."""
+        self.delivery_seqs: dict[int, int] = {}
+        """Per partition, the consumer's delivery seq of the last message taken (0: none
+        yet from this consumer)."""
+        self.lost: dict[int, int] = {}
+        """Partitions whose consumer's deliveries were lost: how many (:meth:`_recover_lost`)."""
         """The stream's first seq, as :meth:`stream_partitions` found it."""
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
@@ -121,8 +190,6 @@ class PartitionReader:
         self._call(self._connect())
 
     async def _connect(self) -> None:
-        import nats
-
         logging.getLogger("asyncio").setLevel(logging.ERROR)
         heard: list[str] = []
 
@@ -143,7 +210,8 @@ class PartitionReader:
         # (--idle-timeout bounds how long it waits for messages)
         kwargs["max_reconnect_attempts"] = -1
         try:
-            self.nc = await nats.connect(
+            self.nc = _raw_client_class()()
+            await self.nc.connect(
                 servers=self.servers,
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
@@ -208,9 +276,13 @@ class PartitionReader:
         ``committed`` and nothing is delivered-but-unacked, else deleted and made again
         (acks lost after a segment was committed, a consumer that acked past what the
         dataset holds, another filter)."""
-        return self._call(self._position(partition, committed))
+        placed = self._call(self._position(partition, committed))
+        self.received[partition] = committed
+        return placed
 
-    async def _position(self, partition: int, committed: int) -> Positioned:
+    async def _position(self, partition: int, committed: int, lost: bool = False) -> Positioned:
+        """``lost``: made again whatever it holds (its pull requests waiting are this
+        reader's own)."""
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         name = consumer_name(self.stream, partition)
@@ -219,7 +291,7 @@ class PartitionReader:
         reason = ""
         if info is not None:
             floor = info.ack_floor.stream_seq if info.ack_floor else 0
-            if info.num_waiting:  # pull requests of another reader, or a dead one's
+            if info.num_waiting and not lost:  # another reader's pull requests, or a dead one's
                 await asyncio.sleep(FETCH_WAIT_S * 2)  # a dead one's expire by then
                 info = await self._api(self.js.consumer_info(self.stream, name))
                 if info.num_waiting:
@@ -233,7 +305,7 @@ class PartitionReader:
                 and info.config.ack_wait is not None
                 and info.config.ack_wait >= self.ack_wait_s
             )
-            if same and floor == committed and not info.num_ack_pending:
+            if same and floor == committed and not info.num_ack_pending and not lost:
                 return Positioned(partition, name, "kept", ack_floor=floor)
             if not same:
                 reason = "its settings differ"
@@ -269,44 +341,155 @@ class PartitionReader:
             self.tasks.append(asyncio.run_coroutine_threadsafe(self._fetch(partition), self.loop))
 
     async def _fetch(self, partition: int) -> None:
-        """Pull batches until stopped; failures (a server restarting, a leader election) are
-        counted and retried, bounded by the recorder's own stop conditions."""
-        import nats.errors
+        """Pull messages until stopped: one pull request of ``FETCH_BATCH`` at a time, sent
+        again once it is delivered, expired or lost. Everything that arrived is handed to the
+        recorder at each wakeup (a batch per socket read, not per message); while the queue
+        is full the request's messages wait here and no new request is sent (bounded).
+        Failures (a server restarting, a leader election) are counted and retried, bounded by
+        the recorder's own stop conditions; deliveries lost on the way, see
+        :meth:`_recover_lost`."""
+        nc = self.nc
+        loop = asyncio.get_running_loop()
+        consumer = consumer_name(self.stream, partition)
+        pull = f"{API_PREFIX}.CONSUMER.MSG.NEXT.{self.stream}.{consumer}"
+        request = json.dumps({"batch": FETCH_BATCH, "expires": int(FETCH_WAIT_S * 1e9)}).encode()
+        arrived: list[tuple[bytes, bytes, bytes, bytes | None]] = []
+        wake = asyncio.Event()
 
-        name = consumer_name(self.stream, partition)
+        def sink(subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+            arrived.append((subject, reply, data, headers))
+            wake.set()
+
         sub = None
+        waiting: list[Delivered] = []  # taken, not yet in the queue
         while not self.stop.is_set():
             try:
+                if partition in self.lost:  # nothing from the old inbox is taken any more
+                    if sub is not None:
+                        nc.raw_sinks.pop(sub._id, None)
+                        with contextlib.suppress(Exception):
+                            await sub.unsubscribe()
+                        sub = None
+                    arrived.clear()
+                    await self._recover_lost(partition)
                 if sub is None:
-                    sub = await self.js.pull_subscribe_bind(
-                        durable=name, stream=self.stream, pending_msgs_limit=-1
-                    )
-                msgs = await sub.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue
+                    sub = await nc.subscribe(nc.new_inbox())
+                    nc.raw_sinks[sub._id] = sink
+                await nc.publish(pull, request, reply=sub.subject)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self.fetch_errors += 1
-                text = describe(exc)
-                if text != self.last_error:  # said once per kind, not twice a second
-                    self.notify(f"kvctl: partition {partition}: pull failed ({text}); retrying")
-                self.last_error = text
-                await asyncio.sleep(0.5)
+                await self._failed(partition, describe(exc))
                 continue
-            delivered = []
-            for m in msgs:
-                if m.reply is None or not m.reply.startswith("$JS.ACK."):
-                    continue  # a status message, not a stored one
-                delivered.append(
-                    Delivered(partition, stream_seq(m), m.subject, m.headers, m.data, m)
-                )
-            while delivered and not self.stop.is_set():
-                try:
-                    self.queue.put_nowait(delivered)
+            owed = FETCH_BATCH
+            lost_at = loop.time() + LOST_REQUEST_S
+            failure = ""
+            while (owed > 0 or waiting) and not self.stop.is_set():
+                if arrived:
+                    taken = arrived[:]
+                    arrived.clear()
+                    owed, failure = self._take(partition, taken, waiting, owed, failure)
+                if waiting and self._hand_over(waiting):
+                    waiting = []
+                if owed <= 0:  # the request is over; its messages wait for room in the queue
+                    if waiting:
+                        await asyncio.sleep(0.005)
+                    continue
+                wake.clear()
+                now = loop.time()
+                if now >= lost_at:
+                    break  # lost with a connection: asked again
+                # while some wait for room in the queue, it is tried again every 5 ms
+                with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                    await asyncio.wait_for(wake.wait(), 0.005 if waiting else lost_at - now)
+            if failure:
+                await self._failed(partition, failure)
+
+    async def _recover_lost(self, partition: int) -> None:
+        """Deliveries were lost (the consumer's delivery seq jumped: messages in flight on a
+        dead connection, or on a route to a node that died). The server would deliver them
+        again only after the ack wait, and the next segment's ack (AckPolicy all) would ack
+        them unrecorded; the messages after them were not taken. So the consumer is made
+        again to deliver right after the last message taken (the caller reads a new inbox:
+        what the old consumer still had on the way is not taken). What the recorder holds
+        unwritten is at or below that message: a recorder killed before writing it resumes
+        from the disk (:meth:`_position`)."""
+        received = self.received.get(partition, 0)
+        placed = await self._position(partition, received, lost=True)
+        missed = self.lost.pop(partition)
+        self.delivery_seqs[partition] = 0
+        missing = plural(missed, "delivery", "deliveries", thousands=True)
+        self.notify(
+            f"kvctl: partition {partition}: {missing} "
+            f"did not arrive; consumer {placed.consumer} made again, delivering from stream "
+            f"seq {received + 1}"
+        )
+
+    def _take(
+        self,
+        partition: int,
+        taken: list[tuple[bytes, bytes, bytes, bytes | None]],
+        into: list[Delivered],
+        owed: int,
+        failure: str,
+    ) -> tuple[int, str]:
+        """Stored messages into ``into``, up to a lost delivery (then the request is over and
+        :attr:`lost` says so); what the request still owes, and why it failed (a status
+        other than "no messages" / "request timeout")."""
+        append = into.append
+        last = self.received.get(partition, 0)
+        last_delivery = self.delivery_seqs.get(partition, 0)
+        for subject, reply, data, headers in taken:
+            if reply[:8] == b"$JS.ACK.":
+                owed -= 1
+                # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<delivery seq>.<ts>.<pending>
+                # (or with domain and account hash after ACK: two more tokens)
+                tokens = reply.split(b".")
+                at = 5 if len(tokens) == 9 else 7
+                seq, delivery = int(tokens[at]), int(tokens[at + 1])
+                # a consumer numbers every delivery; a new leader may deliver again from
+                # where its replica was (lower: duplicates, skipped by the recorder)
+                if last_delivery and delivery > last_delivery + 1:
+                    self.lost[partition] = delivery - last_delivery - 1
+                    owed = 0
                     break
-                except queue.Full:  # the recorder is writing a segment: wait for it
-                    await asyncio.sleep(0.01)
+                last_delivery = delivery
+                if seq > last:
+                    last = seq
+                append(
+                    Delivered(
+                        partition,
+                        seq,
+                        subject.decode(),
+                        parse_headers(headers),
+                        data,
+                        reply.decode(),
+                    )
+                )
+            elif headers is not None and headers[8:9] == b" ":  # NATS/1.0 408 Request Timeout
+                code = headers[9:12]
+                if code == b"100":  # an idle heartbeat
+                    continue
+                owed = 0  # the request is over (expired, or ended by the server: 409 ...)
+                if code not in (b"404", b"408"):
+                    failure = headers[9:].split(b"\r\n")[0].decode(errors="replace").strip()
+        self.received[partition] = last
+        self.delivery_seqs[partition] = last_delivery
+        return owed, failure
+
+    def _hand_over(self, delivered: list[Delivered]) -> bool:
+        try:
+            self.queue.put_nowait(delivered)
+            return True
+        except queue.Full:  # the recorder is busy: these wait, and no more are asked for
+            return False
+
+    async def _failed(self, partition: int, text: str) -> None:
+        self.fetch_errors += 1
+        if text != self.last_error:  # said once per kind, not twice a second
+            self.notify(f"kvctl: partition {partition}: pull failed ({text}); retrying")
+        self.last_error = text
+        await asyncio.sleep(0.5)
 
     def receive(self, timeout: float) -> list[Delivered]:
         """The next fetched batch ([] when none came within ``timeout``)."""
@@ -337,7 +520,9 @@ class PartitionReader:
         deadline = time.monotonic() + tries_for_s
         while True:
             try:
-                self._call(handle.ack_sync(timeout=self.options.connect_timeout), timeout=30)
+                # an empty message to the ack subject is an ack; the reply confirms it
+                timeout = self.options.connect_timeout
+                self._call(self.nc.request(handle, b"", timeout=timeout), timeout=30)
                 return True
             except Exception as exc:
                 text = describe(exc)
