@@ -371,6 +371,22 @@ def test_stream_from_a_zmq_source_is_refused(tmp_path):
     assert "--stream reads a NATS JetStream stream" in result.stderr.decode()
 
 
+def test_an_unreachable_server_is_one_line_at_once(tmp_path):
+    """The first connection is bounded (nats-py would retry an unreachable server forever
+    with the unlimited reconnects a running recorder uses)."""
+    from conftest import free_port
+
+    started = time.monotonic()
+    result = run_kvctl(
+        "record", f"nats://127.0.0.1:{free_port()}", "--stream", "s", "-o", str(tmp_path / "ds"),
+        timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 1
+    err = result.stderr.decode().strip()
+    assert "cannot connect to NATS" in err and len(err.splitlines()) == 1, err
+    assert time.monotonic() - started < 20
+
+
 def test_partition_count_must_be_the_stream_s(nats_server, tmp_path):
     name = stream_name()
     init_stream(nats_server.url, name, 4)

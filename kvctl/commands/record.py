@@ -520,7 +520,7 @@ def _record_stream(
         shown = ",".join(map(str, partitions))
         out.say(
             f"kvctl: recording stream {stream} partitions {shown}/{total} "
-            f"from {redact_url(url)} -> {location}",
+            f"from {redact_url(url)} -> {writer.location}",
             "dim",
         )
         reader.start()

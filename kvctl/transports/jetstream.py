@@ -206,9 +206,6 @@ class PartitionReader:
                 self.notify(f"kvctl: {self.shown}: reconnected")
 
         kwargs = self.options.connect_kwargs()
-        # A recorder outlives server restarts and leader elections: reconnect without end
-        # (--idle-timeout bounds how long it waits for messages)
-        kwargs["max_reconnect_attempts"] = -1
         try:
             self.nc = _raw_client_class()()
             await self.nc.connect(
@@ -221,6 +218,11 @@ class PartitionReader:
         except Exception as exc:
             reason = heard[0] if heard else describe(exc)
             raise TransportError(f"{self.shown}: cannot connect to NATS: {reason}") from None
+        # The first connection tries as --connect-timeout says (nats-py would retry an
+        # unreachable server forever with unlimited attempts); once connected, a recorder
+        # outlives server restarts and leader elections: it reconnects without end
+        # (--idle-timeout bounds how long it waits for messages)
+        self.nc.options["max_reconnect_attempts"] = -1
         self.js = self.nc.jetstream(timeout=self.options.connect_timeout)
 
     def stream_partitions(self) -> int | None:
