@@ -532,3 +532,63 @@ def test_a_second_recorder_of_a_partition_is_refused(nats_server, tmp_path):
         first.send_signal(signal.SIGINT)
         rc, _, err = finish(first)
     assert rc == 130, err
+
+
+def test_deliveries_lost_in_transit_are_delivered_again_not_acked_away(nats_server):
+    """A node or connection that dies loses messages the server already sent; with AckPolicy
+    all, the next segment's ack would ack them too and they would never be recorded. The
+    reader sees the jump in the consumer's delivery count, takes nothing after it, and makes
+    the consumer again right after the last message it took: every stream seq arrives."""
+    from kvctl.partitions import StreamLayout
+    from kvctl.transports.jetstream import PartitionReader, consumer_name
+    from kvctl.transports.nats import NatsOptions
+
+    name = stream_name()
+    init_stream(nats_server.url, name, 1)
+    layout = StreamLayout(name, 1)
+
+    async def publish_range(first: int, end: int) -> None:
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        for i in range(first, end):
+            await js.publish(layout.publish_subject("w"), f"m{i}".encode())
+        await nc.close()
+
+    async def delivered_through() -> int:
+        nc = await nats.connect(nats_server.url)
+        info = await nc.jetstream().consumer_info(name, consumer_name(name, 0))
+        await nc.close()
+        return info.delivered.stream_seq
+
+    said: list[str] = []
+    reader = PartitionReader(
+        nats_server.url, NatsOptions(), name, {0: layout.partition_subject(0)}, 300, said.append
+    )
+    try:
+        reader.connect()
+        reader.position(0, 0)
+        reader.start()
+        asyncio.run(publish_range(0, 30))
+        got: list[Any] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 30 and time.monotonic() < deadline:
+            got += reader.receive(0.2)
+        assert [d.stream_seq for d in got] == list(range(1, 31))
+        # ten deliveries never reach the reader: its inbox's sink is taken away meanwhile
+        sid, sink = next(iter(reader.nc.raw_sinks.items()))
+        reader.loop.call_soon_threadsafe(reader.nc.raw_sinks.pop, sid)
+        asyncio.run(publish_range(30, 40))
+        deadline = time.monotonic() + 10
+        while asyncio.run(delivered_through()) < 40:
+            assert time.monotonic() < deadline, "the server did not deliver"
+            time.sleep(0.05)  # polling the consumer: no signal for "sent to a client"
+        reader.loop.call_soon_threadsafe(reader.nc.raw_sinks.__setitem__, sid, sink)
+        asyncio.run(publish_range(40, 50))
+        deadline = time.monotonic() + 15
+        while (not got or got[-1].stream_seq < 50) and time.monotonic() < deadline:
+            got += reader.receive(0.2)
+        assert sorted({d.stream_seq for d in got}) == list(range(1, 51)), said
+        assert any("did not arrive" in line for line in said), said
+        assert reader.ack(got[-1].handle)
+    finally:
+        reader.close()
