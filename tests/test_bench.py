@@ -22,6 +22,9 @@ RUNS = {
     + ["--prompt-tokens", "2048", "--queries", "20"],
     "record_disk.py": ["--events", "3000", "--columns"],
     "record_stream.py": ["--messages", "2000", "--rounds", "1"],
+    "record_stream.py --cluster": ["--messages", "1000", "--rounds", "1", "--cluster"]
+    + ["--replicas", "3", "--recorders", "2", "--bridge"],
+    "stats_dataset_memory.py": ["--rows", "20000", "40000", "--requests", "50"],
     "record_disk.py --tokens random": ["--tokens", "random", "--batches", "300"],
     "sim_throughput.py": ["--workers", "2", "--requests", "50", "--repeat", "1"],
     "simulate_output.py": ["--requests", "50", "--rounds", "1"],
