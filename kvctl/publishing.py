@@ -280,9 +280,8 @@ def fleet_stream(url: str, nats: NatsOptions, name: str) -> Any:
     is published: one line (:class:`TransportError`) when there is no such stream, or it is
     not one ``kvctl stream init`` made."""
     from .errors import TransportError
-    from .partitions import StreamLayout
     from .redact import redact_url
-    from .transports.nats import run_jetstream, stream_info_or_none
+    from .transports.nats import fleet_layout, run_jetstream, stream_info_or_none
 
     async def work(js: Any) -> Any:
         info = await stream_info_or_none(js, name)
@@ -292,14 +291,7 @@ def fleet_stream(url: str, nats: NatsOptions, name: str) -> Any:
                 f"(create it first: kvctl stream init {redact_url(url)} --name {name} "
                 "--partitions N)"
             )
-        config = info.config
-        transform = config.subject_transform
-        layout = StreamLayout.of_stream(
-            config.name,
-            list(config.subjects or ()),
-            transform.src if transform else None,
-            transform.dest if transform else None,
-        )
+        layout = fleet_layout(info)
         if layout is None:
             raise TransportError(
                 f"{redact_url(url)}: stream {name} is not a kvctl fleet stream (its subjects "

@@ -125,6 +125,10 @@ def test_every_message_lands_in_its_partition_with_its_bytes(nats_server: NatsSe
         for engine in engines:
             engine.close()
     assert run.code == 0, run.err
+    # the unlabelled engine is keyed by its address, which every node's bridge would share
+    unlabelled = engines[labels.index(None)].endpoint
+    warnings = [line for line in run.err.splitlines() if "has no worker label" in line]
+    assert len(warnings) == 1 and unlabelled in warnings[0], run.err
     report = report_of(run)
     # engine 0: 40 - 3 dropped live + 2 recovered; the others 40 each, engine 3 one malformed
     assert report["messages"] == 39 + 40 + 40 + 41

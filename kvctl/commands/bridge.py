@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 PUBLISH_TIMEOUT_S = 60.0
 
 
+_LOOPBACK = ("tcp://127.", "tcp://localhost:", "tcp://[::1]", "ipc://", "inproc://")
+"""Source addresses that name the same socket on every node."""
+
+
 @click.command("bridge", cls=KvctlCommand)
 @source_arguments
 @target_options
@@ -194,6 +198,15 @@ def _bridge_stream(
         )
     nats = sources.connection.nats
     layout = fleet_stream(servers, nats, name)  # before any source is opened
+    for address in sources.addresses:
+        if "=" not in address.partition("://")[0] and address.startswith(_LOOPBACK):
+            # unlabelled, its worker is its address: the same on every node of a fleet
+            out.say(
+                f"kvctl: warning: {redact_url(address)} has no worker label: its messages are "
+                "keyed by this address, which bridges on other nodes share; label each engine "
+                "fleet-wide (NODE-GPU=tcp://...)",
+                "yellow",
+            )
     publisher = StreamPublisher(
         servers, nats, publish_timeout=publish_timeout, notify=transport_notice(out)
     )

@@ -124,19 +124,13 @@ def _settings(
 
 
 def _existing(info: Any) -> StreamSettings | None:
-    from ..partitions import StreamLayout, StreamSettings
+    from ..partitions import StreamSettings
+    from ..transports.nats import fleet_layout
 
-    config = info.config
-    transform = config.subject_transform
-    layout = StreamLayout.of_stream(
-        config.name,
-        list(config.subjects or ()),
-        transform.src if transform else None,
-        transform.dest if transform else None,
-    )
+    layout = fleet_layout(info)
     if layout is None:
         return None
-    return StreamSettings(layout, config.num_replicas or 1, config.max_age or 0.0)
+    return StreamSettings(layout, info.config.num_replicas or 1, info.config.max_age or 0.0)
 
 
 def _init(servers: str, nats: NatsOptions, asked: StreamSettings, update: bool) -> dict[str, Any]:

@@ -231,8 +231,7 @@ class PartitionReader:
         return self._call(self._stream_partitions())
 
     async def _stream_partitions(self) -> int | None:
-        from ..partitions import StreamLayout
-        from .nats import stream_info_or_none
+        from .nats import fleet_layout, stream_info_or_none
 
         info = await self._api(stream_info_or_none(self.js, self.stream))
         if info is None:
@@ -242,14 +241,7 @@ class PartitionReader:
         # the oldest message the stream still holds: what a recorder can no longer get
         # (expired, purged) is not claimed as recorded
         self.first_seq = info.state.first_seq or 0
-        c = info.config
-        transform = c.subject_transform
-        layout = StreamLayout.of_stream(
-            self.stream,
-            list(c.subjects or []),
-            transform.src if transform else None,
-            transform.dest if transform else None,
-        )
+        layout = fleet_layout(info)
         return None if layout is None else layout.partitions
 
     async def _api(self, coro: Any, missing_ok: bool = False) -> Any:

@@ -16,13 +16,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from ..errors import TransportError, UsageError
 from ..redact import redact_url
 from .zmq import DEFAULT_QUEUE_BYTES, context
+
+if TYPE_CHECKING:
+    from ..partitions import StreamLayout
 
 # Subjects of every Dynamo era (see the wire-format reference, section 2).
 DEFAULT_SUBJECTS = (
@@ -796,6 +799,21 @@ def run_jetstream(url: str, options: NatsOptions, work: Callable[[Any], Any]) ->
                 await asyncio.wait_for(nc.close(), 5)
 
     return asyncio.run(main())
+
+
+def fleet_layout(info: Any) -> StreamLayout | None:
+    """The fleet layout of a stream (nats-py's ``StreamInfo``), or None when it is not a
+    stream ``kvctl stream init`` made."""
+    from ..partitions import StreamLayout
+
+    config = info.config
+    transform = config.subject_transform
+    return StreamLayout.of_stream(
+        config.name,
+        list(config.subjects or ()),
+        transform.src if transform else None,
+        transform.dest if transform else None,
+    )
 
 
 async def stream_info_or_none(js: Any, name: str, subjects_filter: str | None = None) -> Any:
