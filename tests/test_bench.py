@@ -44,3 +44,20 @@ def test_benchmark_runs(name):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip(), "a benchmark prints its figures"
+
+
+def test_the_capacity_table_is_computed_from_figures(tmp_path):
+    figures = tmp_path / "figures.jsonl"
+    figures.write_text(
+        '{"replicas": 3, "cluster": true, "recorders": 1, "bridge": 8000, '
+        '"record_up_to_acked": 16000}\n'
+    )
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "capacity.py"), str(figures), "--workers", "1000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    # 1,000 workers x 100 batches/s over recorders loaded to 8,000 msg/s: 13 recorders
+    assert "| 1,000 | 100,000 | 119 | 125 | 10% | 13 | 32 |" in result.stdout
