@@ -20,6 +20,7 @@ from ..options import (
     limit_options,
     reporting,
     source_arguments,
+    stream_options,
 )
 from ..redact import shown_sources
 from ..selection import Filters, Limits
@@ -156,14 +157,7 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
     "FILE.",
 )
 @index_timeout_option("--against")
-@click.option(
-    "--partition",
-    metavar="I/N",
-    callback=lambda ctx, param, value: None if value is None else parse_partition(value),
-    help="Check only the workers of partition I of N (0 <= I < N): of a dataset, only the "
-    "segments of partition I are read; of a live source, other workers' batches are skipped. "
-    "Exact for those workers: merge the shards' --json reports with --merge.",
-)
+@stream_options
 @click.option(
     "--merge",
     is_flag=True,
@@ -211,15 +205,21 @@ def command(
     router never learned (KV502). Read the stream from the engines' start, and let a live
     stream go quiet before the end (--idle-timeout): events still in flight show as drift.
     """
+    from ..errors import UsageError
     from ..pipeline import Summary
     from ..session import live_addresses, on_interrupt, read
 
     if params["merge"]:
         merge_command(list(sources.addresses), out, params["fail_on"], params["max_examples"])
         return
-    partition = params["partition"]
-    if partition is not None:
-        selection.partition = partition
+    partition = None
+    if params["partition_spec"] is not None:
+        try:
+            partition = parse_partition(params["partition_spec"])
+        except click.BadParameter as exc:
+            raise UsageError(f"--partition: {exc.message}") from None
+        if sources.stream is None:  # a fleet stream is read from partition I's subject only
+            selection.partition = partition
     quiet = out.quiet
     max_examples = params["max_examples"]
     against = _RouterIndex.open(params["against"], params["index_timeout"])

@@ -35,7 +35,7 @@ from typing import Any
 from ..errors import TransportError
 from ..redact import redact_url
 from ..text import plural
-from .nats import NatsOptions, describe, servers_of
+from .nats import NatsOptions, Subscriber, describe, servers_of
 
 FETCH_BATCH = 1000
 """Messages asked for in one pull request (and at most this many wait beside the queue)."""
@@ -48,6 +48,9 @@ API_PREFIX = "$JS.API"
 """The JetStream API prefix of ``nc.jetstream()`` (no domain)."""
 MAX_ACK_PENDING = 1_000_000
 """Messages delivered and not yet acked, per consumer: a segment's worth, and more."""
+CONSUMER_INACTIVE_S = 10.0
+"""A live reader's ephemeral consumer without interest (the reader was killed) is deleted by
+the server after this long."""
 QUEUE_BATCHES = 8
 """Fetched batches waiting for the recorder (bounded: the fetch tasks wait when it is full)."""
 
@@ -544,3 +547,100 @@ class PartitionReader:
             self._call(shut(), timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+# --- a read-only live source of a fleet stream (tap, check, stats, top, index --stream) -------
+
+
+class StreamSubscriber(Subscriber):
+    """Some partitions of a fleet stream, read without a trace on the server: one ephemeral
+    ordered push consumer per partition's subject (no durable state, no acks; nats-py makes
+    one again from the next stream seq when it misses the consumer's heartbeats, as after a
+    server restart). New messages by default; everything the stream holds with
+    ``from_start``.
+
+    The client, its reconnection and the hand-over are :class:`~.nats.Subscriber`'s: messages
+    arrive on :attr:`socket` as ``[headers as JSON, body]`` (undecoded: the pipeline turns
+    them into batches), state changes as its control messages. A stream's history is never
+    dropped for lack of room: the consumer's flow control holds the server back instead."""
+
+    def __init__(
+        self,
+        server: str,
+        stream: str,
+        subjects: list[str],
+        options: NatsOptions | None = None,
+        from_start: bool = False,
+        queue_bytes: int | None = None,
+    ) -> None:
+        from .zmq import DEFAULT_QUEUE_BYTES
+
+        # the parent's own from_start reads Dynamo's streams: never here
+        super().__init__(server, subjects, options, False, queue_bytes or DEFAULT_QUEUE_BYTES)
+        self.stream = stream
+        self.stream_from_start = from_start
+        self.consumers: list[Any] = []
+        """nats-py's push subscriptions (``_consumer``: the consumer's name, renewed when
+        nats-py makes it again); deleted at close."""
+
+    async def _subscribe(self, nc: Any, push: Any, jetstream_subjects: set[str]) -> None:
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        stop = self._stop
+        assert stop is not None
+        policy = DeliverPolicy.ALL if self.stream_from_start else DeliverPolicy.NEW
+
+        async def forward(msg: Any) -> None:
+            headers = json.dumps(msg.headers or {}, separators=(",", ":")).encode()
+            data = msg.data
+            size = len(headers) + len(data)
+            while (
+                self.pushed_bytes - self.taken_bytes + size > self.queue_bytes
+                and self.pushed != self.taken_messages
+                and not stop.is_set()
+            ):
+                await asyncio.sleep(self.ROOM_WAIT_S)
+            push.send_multipart([headers, data], copy=False)
+            self.pushed_bytes += size
+            self.pushed += 1
+
+        for subject in self.subjects:
+            sub = await js.subscribe(
+                subject,
+                stream=self.stream,
+                cb=forward,
+                ordered_consumer=True,
+                # a reader killed without closing leaves its consumers this long at most
+                config=ConsumerConfig(
+                    deliver_policy=policy, inactive_threshold=CONSUMER_INACTIVE_S
+                ),
+            )
+            self.consumers.append(sub)
+        await nc.flush(timeout=self.options.connect_timeout)
+
+    async def _close(self, nc: Any) -> None:
+        """The consumers are deleted (read-only: nothing of this reader stays on the server),
+        then the connection closed."""
+        if not nc.is_closed and self.consumers:
+            js = nc.jetstream(timeout=2)
+            for sub in self.consumers:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(sub.unsubscribe(), 2)
+                with contextlib.suppress(Exception):
+                    await js.delete_consumer(self.stream, sub._consumer)
+        await super()._close(nc)
+
+
+def stream_partitions(url: str, options: NatsOptions, stream: str) -> int | None:
+    """How many partitions the fleet stream ``stream`` has (None: no such stream, or not one
+    ``kvctl stream init`` made); a short conversation, each failure one line."""
+    from .nats import fleet_layout, run_jetstream, stream_info_or_none
+
+    async def work(js: Any) -> int | None:
+        info = await stream_info_or_none(js, stream)
+        layout = None if info is None else fleet_layout(info)
+        return None if layout is None else layout.partitions
+
+    result: int | None = run_jetstream(url, options, work)
+    return result
