@@ -147,9 +147,12 @@ def test_tap_of_the_stream_shows_what_tap_of_the_engines_showed(
     assert consumers_left(nats_server.url, name) == 0  # ordered consumers are ephemeral
 
 
-def _comparable(report: dict[str, Any]) -> dict[str, Any]:
+def _comparable(report: dict[str, Any], examples: bool = True) -> dict[str, Any]:
     rules = {
-        r["id"]: (r["count"], sorted(json.dumps(e, sort_keys=True) for e in r["examples"]))
+        r["id"]: (
+            r["count"],
+            sorted(json.dumps(e, sort_keys=True) for e in r["examples"]) if examples else None,
+        )
         for r in report["rules"]
     }
     return {
@@ -180,9 +183,10 @@ def test_check_of_each_partition_merged_equals_one_check_of_the_stream_and_the_e
     assert merged.code == 3, merged.err
     direct = bridged["check"]
     assert _comparable(json.loads(merged.out)) == _comparable(json.loads(whole.out))
-    # the engines' own check: same rules, batches, events and workers (the sources named in
-    # examples are the engines' endpoints in both: the envelope keeps them)
-    assert _comparable(json.loads(whole.out)) == _comparable(direct)
+    # the engines' own check: the same findings of each rule (the examples kept are the
+    # first ones as the two engines' batches interleaved, which differs between readers),
+    # batches, events and workers
+    assert _comparable(json.loads(whole.out), examples=False) == _comparable(direct, False)
     assert json.loads(whole.out)["stream"]["malformed"] == direct["stream"]["malformed"] == 1
 
 
