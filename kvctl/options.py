@@ -262,9 +262,10 @@ stream_options = _stack(
         "--stream",
         metavar="NAME",
         help="SOURCE nats://HOST:PORT[,nats://HOST:PORT...] is a fleet stream's JetStream "
-        "server: read the fleet stream NAME (made by `kvctl stream init`; --from-start: all "
-        "it holds, else new messages). record writes it into a dataset of Parquet segments "
-        "in the -o directory (or s3://bucket/prefix).",
+        "server: read the fleet stream NAME (made by `kvctl stream init`) as the engines "
+        "its bridges read (new messages; all it holds with --from-start). record writes it "
+        "into a dataset of Parquet segments in the -o directory (or s3://bucket/prefix), "
+        "resuming after the segments it holds.",
     ),
     click.option(
         "--partition",

@@ -183,7 +183,9 @@ def command(
 
     A dataset (the segments of partitioned recorders in a directory, or s3://bucket/prefix) is
     read in receive-time order. A big one is checked in shards, one per partition, and the
-    reports merged; the merge equals one check of the whole (rules are per worker):
+    reports merged; the merge equals one check of the whole (rules are per worker). A fleet
+    stream (--stream NAME) is sharded alike, --partition I/N reading only partition I's
+    subject; of other live sources it skips the other partitions' workers:
 
     \b
       kvctl check data/ --partition 0/4 --json > r0.json   # ... up to 3/4
@@ -198,6 +200,7 @@ def command(
       kvctl check 1=tcp://10.0.0.1:5557 2=tcp://10.0.0.2:5557 --idle-timeout 10 \\
           --against http://127.0.0.1:8090
       kvctl check run.parquet --against snapshot.json
+      kvctl check nats://10.0.0.5:4222 --stream fleet --partition 2/8 --duration 60 --json
 
     --against compares what a router's index holds (its /dump, fetched when the run ends, or a
     /dump FILE) with what the stream says each engine holds, per worker and dp rank: blocks
