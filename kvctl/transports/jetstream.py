@@ -555,9 +555,8 @@ class PartitionReader:
 class StreamSubscriber(Subscriber):
     """Some partitions of a fleet stream, read without a trace on the server: one ephemeral
     ordered push consumer per partition's subject (no durable state, no acks; nats-py makes
-    one again from the next stream seq when it misses the consumer's heartbeats, as after a
-    server restart). New messages by default; everything the stream holds with
-    ``from_start``.
+    one again after a reconnect, from the message after the last one handed over). New
+    messages by default; everything the stream holds with ``from_start``.
 
     The client, its reconnection and the hand-over are :class:`~.nats.Subscriber`'s: messages
     arrive on :attr:`socket` as ``[headers as JSON, body]`` (undecoded: the pipeline turns
@@ -579,19 +578,44 @@ class StreamSubscriber(Subscriber):
         super().__init__(server, subjects, options, False, queue_bytes or DEFAULT_QUEUE_BYTES)
         self.stream = stream
         self.stream_from_start = from_start
-        self.consumers: list[Any] = []
-        """nats-py's push subscriptions (``_consumer``: the consumer's name, renewed when
-        nats-py makes it again); deleted at close."""
+        self.consumers: dict[str, Any] = {}
+        """Subject -> nats-py's push subscription (``_consumer``: the consumer's name,
+        renewed when nats-py makes it again); deleted at close."""
+        self.next_seq: dict[str, int] = {}
+        """Subject -> the stream seq after the last message handed over (where a consumer
+        made again starts)."""
+        self.resumer: asyncio.Future[Any] | None = None
+
+    RESUME_RETRIES = 40
+    RESUME_RETRY_S = 0.5  # JetStream needs a moment after a server restart
 
     async def _subscribe(self, nc: Any, push: Any, jetstream_subjects: set[str]) -> None:
-        from nats.js.api import ConsumerConfig, DeliverPolicy
-
         js = nc.jetstream(timeout=self.options.connect_timeout)
         stop = self._stop
         assert stop is not None
-        policy = DeliverPolicy.ALL if self.stream_from_start else DeliverPolicy.NEW
+        if not self.stream_from_start:
+            # new messages: from the seq after the stream's last, so that a consumer made
+            # again after a reconnect knows where new began (DeliverPolicy.NEW would not)
+            info = await js.stream_info(self.stream)
+            for subject in self.subjects:
+                self.next_seq[subject] = info.state.last_seq + 1
+        for subject in self.subjects:
+            await self._consume(js, push, subject)
+        await nc.flush(timeout=self.options.connect_timeout)
+        self.resumer = asyncio.ensure_future(self._resume_on_reconnect(nc, js, push, stop))
+
+    async def _consume(self, js: Any, push: Any, subject: str) -> None:
+        """One ordered consumer of ``subject``, from :attr:`next_seq` (all when unknown)."""
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        stop = self._stop
+        assert stop is not None
+        next_seq = self.next_seq
 
         async def forward(msg: Any) -> None:
+            seq = stream_seq(msg)
+            if seq < next_seq.get(subject, 0):  # a replaced consumer's, handed over already
+                return
             headers = json.dumps(msg.headers or {}, separators=(",", ":")).encode()
             data = msg.data
             size = len(headers) + len(data)
@@ -604,31 +628,58 @@ class StreamSubscriber(Subscriber):
             push.send_multipart([headers, data], copy=False)
             self.pushed_bytes += size
             self.pushed += 1
+            next_seq[subject] = seq + 1
 
-        for subject in self.subjects:
-            sub = await js.subscribe(
-                subject,
-                stream=self.stream,
-                cb=forward,
-                ordered_consumer=True,
-                # a reader killed without closing leaves its consumers this long at most
-                config=ConsumerConfig(
-                    deliver_policy=policy, inactive_threshold=CONSUMER_INACTIVE_S
-                ),
-            )
-            self.consumers.append(sub)
-        await nc.flush(timeout=self.options.connect_timeout)
+        start = next_seq.get(subject)
+        config = (
+            ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+            if start is None
+            else ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+        )
+        # a reader killed without closing leaves its consumers this long at most
+        config.inactive_threshold = CONSUMER_INACTIVE_S
+        self.consumers[subject] = await js.subscribe(
+            subject, stream=self.stream, cb=forward, ordered_consumer=True, config=config
+        )
+
+    async def _resume_on_reconnect(self, nc: Any, js: Any, push: Any, stop: Any) -> None:
+        """After each reconnect, every consumer made again from the message after the last
+        one handed over: a restarted server has forgotten them (in memory), and nats-py would
+        notice only after missing heartbeats, ~20 s later."""
+        seen = nc.stats["reconnects"]
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+            if nc.stats["reconnects"] == seen or not nc.is_connected:
+                continue
+            seen = nc.stats["reconnects"]
+            for subject, old in list(self.consumers.items()):
+                await self._drop(js, old)
+                for attempt in range(self.RESUME_RETRIES):
+                    try:
+                        await self._consume(js, push, subject)
+                        break
+                    except Exception as exc:
+                        if stop.is_set():
+                            return
+                        if attempt == self.RESUME_RETRIES - 1:
+                            self._control(push, "error", f"{subject} not resumed: {describe(exc)}")
+                        await asyncio.sleep(self.RESUME_RETRY_S)
+
+    async def _drop(self, js: Any, sub: Any) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(sub.unsubscribe(), 2)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(js.delete_consumer(self.stream, sub._consumer), 2)
 
     async def _close(self, nc: Any) -> None:
         """The consumers are deleted (read-only: nothing of this reader stays on the server),
         then the connection closed."""
+        if self.resumer is not None:
+            self.resumer.cancel()
         if not nc.is_closed and self.consumers:
             js = nc.jetstream(timeout=2)
-            for sub in self.consumers:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(sub.unsubscribe(), 2)
-                with contextlib.suppress(Exception):
-                    await js.delete_consumer(self.stream, sub._consumer)
+            for sub in self.consumers.values():
+                await self._drop(js, sub)
         await super()._close(nc)
 
 
