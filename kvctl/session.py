@@ -232,7 +232,8 @@ def read(
 
 def live_addresses(source: Any, sources: Sources) -> list[str]:
     """The ``batch.source`` each live SOURCE argument produces (labels stripped); none for
-    recordings, whose batches name the sources they were recorded from."""
-    if not isinstance(source, LiveSource):
+    recordings, whose batches name the sources they were recorded from, nor a fleet stream,
+    whose batches name the engines its bridges read."""
+    if not isinstance(source, LiveSource) or sources.stream is not None:
         return []
     return [SourceSpec.parse(s).address for s in sources.addresses]

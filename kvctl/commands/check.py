@@ -269,9 +269,8 @@ def command(
     def on_open(source: Any) -> None:
         nonlocal started
         started = time.monotonic()  # --idle-timeout counts from the start, like the pipeline's
-        # a fleet stream's batches name the engines the bridges read, not the NATS server:
-        # which of them must publish is --expect-workers's to say
-        live = live_addresses(source, sources) if sources.stream is None else []
+        # none of a fleet stream: which of its engines must publish is --expect-workers's
+        live = live_addresses(source, sources)
         if partition is not None and live:
             live = _in_partition(list(sources.addresses), live, partition)
         addresses.extend(live)
