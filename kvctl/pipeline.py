@@ -418,10 +418,14 @@ class LiveSource:
                 self._connected(sub, "connected to NATS at")
             elif sub in self.down_since:
                 outage = now - self.down_since.pop(sub)
+                missed = (
+                    "reading the stream on from the message after the last one read"
+                    if self.stream is not None
+                    else "messages published meanwhile are missed; gaps in Dynamo sequence "
+                    "numbers show how many"
+                )
                 self._say(
-                    f"kvctl: {sub.server}: reconnected after {outage:.1f} s (messages "
-                    "published meanwhile are missed; gaps in Dynamo sequence numbers "
-                    "show how many)",
+                    f"kvctl: {sub.server}: reconnected after {outage:.1f} s ({missed})",
                     "yellow",
                 )
         elif kind == b"down":
