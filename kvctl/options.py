@@ -76,6 +76,10 @@ class Sources:
 
     addresses: tuple[str, ...]
     connection: Connection | None = None
+    stream: str | None = None
+    """``--stream NAME``: the NATS source is this fleet stream (:data:`stream_options`)."""
+    partition: str | None = None
+    """``--partition`` as given (``I[,J...]/N``), checked by the command that reads it."""
 
 
 class ByteSize(click.ParamType):
@@ -229,6 +233,48 @@ source_arguments = _group(
         "in the summary.",
     ),
     nats_auth_options,
+)
+
+
+def _with_stream(func: F) -> F:
+    """``--stream``/``--partition`` into ``sources`` (:class:`Sources`), left in the command's
+    parameters too (``stream``, ``partition_spec``): record reads them there."""
+
+    @functools.wraps(func)
+    def command(**params: Any) -> Any:
+        import dataclasses
+
+        sources = params.get("sources")
+        if isinstance(sources, Sources):
+            params["sources"] = dataclasses.replace(
+                sources, stream=params.get("stream"), partition=params.get("partition_spec")
+            )
+        return func(**params)
+
+    return command
+
+
+# A fleet stream (`kvctl stream init`) as a source: declared once for the commands that read
+# one (record into a dataset; tap, check, stats, top, index live). Below source_arguments.
+stream_options = _stack(
+    _with_stream,
+    click.option(
+        "--stream",
+        metavar="NAME",
+        help="SOURCE nats://HOST:PORT[,nats://HOST:PORT...] is a fleet stream's JetStream "
+        "server: read the fleet stream NAME (made by `kvctl stream init`) as the engines "
+        "its bridges read (new messages; all it holds with --from-start). record writes it "
+        "into a dataset of Parquet segments in the -o directory (or s3://bucket/prefix), "
+        "resuming after the segments it holds.",
+    ),
+    click.option(
+        "--partition",
+        "partition_spec",
+        metavar="I[,J...]/N",
+        help="With --stream: read only these partitions of the stream's N (record: one "
+        "recorder per partition set; several may share one -o). Default: all partitions. "
+        "check takes I/N, also without --stream (see its help).",
+    ),
 )
 
 filter_options = _group(

@@ -363,3 +363,22 @@ def _unpackb(body: bytes, **kwargs: object) -> object:
 
     _unpackb = unpackb
     return unpackb(body, **kwargs)
+
+
+def parse_partitions(spec: str) -> tuple[list[int], int]:
+    """``--partition I[,J...]/N`` -> (sorted partitions, N); ValueError saying why."""
+    chosen, slash, total = spec.partition("/")
+    example = "e.g. 0,1/4: partitions 0 and 1 of 4"
+    try:
+        n = int(total)
+        parts = [int(p) for p in chosen.split(",")]
+    except ValueError:
+        raise ValueError(f"--partition {spec!r}: expected I[,J...]/N ({example})") from None
+    if not slash or n < 1:
+        raise ValueError(f"--partition {spec!r}: expected I[,J...]/N ({example})")
+    bad = [p for p in parts if not 0 <= p < n]
+    if bad:
+        raise ValueError(f"--partition {spec!r}: partition {bad[0]} is not in 0..{n - 1}")
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"--partition {spec!r}: a partition is named twice")
+    return sorted(parts), n

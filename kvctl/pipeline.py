@@ -61,6 +61,64 @@ class SourceSpec:
         return cls("file", text)
 
 
+@dataclass(frozen=True)
+class StreamRead:
+    """``--stream NAME [--partition I[,J...]/N]``: which partitions of a fleet stream a
+    live source reads, as the subjects their readers filter on."""
+
+    name: str
+    partitions: tuple[int, ...]
+    total: int
+
+    @property
+    def subjects(self) -> list[str]:
+        from .partitions import StreamLayout
+
+        layout = StreamLayout(self.name, self.total)
+        return [layout.partition_subject(p) for p in self.partitions]
+
+
+def decode_fleet(headers: bytes, body: bytes, address: str, typed: bool = False) -> Any:
+    """One message of a fleet stream (its headers as JSON, its body) as the :class:`Batch`
+    the bridge's source gave, decoded from the raw frames with the labels, receive time and
+    recovered flag the envelope carries (as a recorder of the stream decodes them: see
+    ``kvctl.recording.convert.Decoder.items``); a gap marker as its fields (a dict); anything
+    that is no fleet message as a malformed batch from ``address`` (counted, never dropped)."""
+    import json
+
+    from .formats import decode_nats, decode_zmq
+    from .partitions import FleetMessage
+    from .recording.tagged_json import from_json_value
+
+    try:
+        fields = json.loads(headers)
+        if not isinstance(fields, dict):
+            raise ValueError("headers that are not name: value pairs")
+        message = FleetMessage.parse(fields, body)
+        if message.gap is not None:
+            return message.gap
+        worker = None if message.worker is None else from_json_value(json.loads(message.worker))
+        dp = None if message.dp_rank is None else from_json_value(json.loads(message.dp_rank))
+    except (ValueError, TypeError, KeyError) as exc:  # json's errors are ValueErrors too
+        return Batch(
+            source=address,
+            events=[],
+            format="unknown",
+            frames=[body],
+            error=f"not a fleet stream message: {exc}",
+            publisher=(address, "fleet stream"),
+            recv_ns=time.time_ns(),
+        )
+    source, frames = message.source, message.frames
+    if source.startswith(("nats://", "tls://")) and len(frames) == 1:
+        batch = decode_nats(message.topic, frames[0], source, message.recv_ns)
+    else:
+        batch = decode_zmq(frames, source, message.recv_ns, worker, dp, typed)
+    if message.recovered:
+        batch.recovered = True
+    return batch
+
+
 @dataclass
 class Summary:
     events: Counter = field(default_factory=Counter)
@@ -224,11 +282,14 @@ class LiveSource:
         notify: Notify | None = None,
         max_queue: int | None = None,
         typed: bool = False,
+        stream: StreamRead | None = None,
     ) -> None:
         """``max_queue``: bytes received but not yet processed that may be held in memory,
         shared evenly by the live sources (``--max-queue``). ``typed``: every consumer reads
         :class:`~kvctl.formats.engine_zmq.TypedEvent` events as well as event dicts, so plain
-        vLLM batches may take the typed fast path (see :func:`~kvctl.formats.decode_zmq`)."""
+        vLLM batches may take the typed fast path (see :func:`~kvctl.formats.decode_zmq`).
+        ``stream``: the NATS source is a fleet stream, of which only these partitions are read
+        (:class:`StreamRead`)."""
         import zmq
 
         from .transports import zmq as zmq_transport
@@ -246,6 +307,10 @@ class LiveSource:
         self.connect_timeout = connect_timeout or None  # 0 is "wait forever", as before
         self.typed = typed
         self.notify = notify
+        self.stream = stream
+        self.gap_markers = 0
+        """Gap markers a bridge published into the fleet stream (said, not handed on: the
+        seqs skip there too, and the sequence tracker reports that gap as for the engine)."""
         self.opened = time.monotonic()
         self.waiting: dict[Any, str] = {}
         """Source not connected yet -> its address; ZMQ subscribers and NATS clients alike."""
@@ -293,16 +358,31 @@ class LiveSource:
     ) -> None:
         from .transports import nats as nats_transport
 
-        sub = nats_transport.Subscriber(
-            spec.address,
-            spec.subjects + list(subjects or []),
-            options,
-            from_start,
-            self.queue_bytes,
-        )
+        kind = "nats"
+        sub: nats_transport.Subscriber
+        if self.stream is not None:
+            from .transports.jetstream import StreamSubscriber
+
+            kind = "stream"
+            sub = StreamSubscriber(
+                spec.address,
+                self.stream.name,
+                list(self.stream.subjects),
+                options,
+                from_start,
+                self.queue_bytes,
+            )
+        else:
+            sub = nats_transport.Subscriber(
+                spec.address,
+                spec.subjects + list(subjects or []),
+                options,
+                from_start,
+                self.queue_bytes,
+            )
         self.nats.append(sub)
         self.waiting[sub] = sub.server
-        self.by_socket[sub.socket] = ("nats", spec)
+        self.by_socket[sub.socket] = (kind, spec)
         self.nats_by_socket[sub.socket] = sub
         self.poller.register(sub.socket, self.zmq.POLLIN)
 
@@ -338,10 +418,14 @@ class LiveSource:
                 self._connected(sub, "connected to NATS at")
             elif sub in self.down_since:
                 outage = now - self.down_since.pop(sub)
+                missed = (
+                    "reading the stream on from the message after the last one read"
+                    if self.stream is not None
+                    else "messages published meanwhile are missed; gaps in Dynamo sequence "
+                    "numbers show how many"
+                )
                 self._say(
-                    f"kvctl: {sub.server}: reconnected after {outage:.1f} s (messages "
-                    "published meanwhile are missed; gaps in Dynamo sequence numbers "
-                    "show how many)",
+                    f"kvctl: {sub.server}: reconnected after {outage:.1f} s ({missed})",
                     "yellow",
                 )
         elif kind == b"down":
@@ -439,12 +523,20 @@ class LiveSource:
                     self._zmq_event(spec)
                     continue
                 nats_sub = self.nats_by_socket[sock]
+                fleet = kind == "stream"
                 for frames in receive_all(sock, DRAIN_LIMIT):
                     if frames[0] == CONTROL:
                         self._nats_control(nats_sub, frames[1], frames[2].decode())
                         continue
                     nats_sub.taken(frames)
                     produced = True
+                    if fleet:
+                        batch = decode_fleet(frames[0], frames[1], spec.address, typed)
+                        if type(batch) is Batch:
+                            yield batch
+                        else:
+                            self._gap_marker(batch)
+                        continue
                     yield decode_nats(frames[0].decode(), frames[1], spec.address, time_ns())
                 if nats_sub.dropped and not self.drops_said:
                     self.drops_said = True
@@ -456,6 +548,15 @@ class LiveSource:
                     )
             if not produced:
                 yield None  # idle, or only connection events: the caller checks its timers
+
+    def _gap_marker(self, gap: dict[str, Any]) -> None:
+        self.gap_markers += 1
+        self._say(
+            f"kvctl: fleet stream {self.stream.name if self.stream else ''}: the bridge marked "
+            f"seqs {gap.get('from_seq')}..{gap.get('to_seq')} of {gap.get('publisher')} "
+            "missing",
+            "dim",
+        )
 
     REPLAY_FIRST_REPLY_S = 0.5
     """How long the receive loop waits for a replay socket's first reply (an engine answers

@@ -21,6 +21,7 @@ from .pipeline import (
     Malformed,
     Narrowed,
     SourceSpec,
+    StreamRead,
     Summary,
     run,
 )
@@ -56,6 +57,10 @@ def open_source(
     consumers read typed events too (see :class:`~kvctl.pipeline.LiveSource`); ``selection``:
     what a dataset need not read (its files of other workers)."""
     specs = [SourceSpec.parse(s) for s in sources.addresses]
+    partition_alone = selection is None or selection.partition is None
+    if sources.partition is not None and sources.stream is None and partition_alone:
+        raise UsageError("--partition applies to a fleet stream: give --stream NAME")
+    stream = None if sources.stream is None else _stream_read(sources, specs)
     files = [s for s in specs if s.kind == "file"]
     if files and len(files) != len(specs):
         raise UsageError("recordings and live sources cannot be mixed in one command")
@@ -76,7 +81,51 @@ def open_source(
         notify=notify,
         max_queue=c.max_queue,
         typed=typed,
+        stream=stream,
     )
+
+
+def _stream_read(sources: Sources, specs: list[SourceSpec]) -> StreamRead:
+    """``--stream NAME [--partition I[,J...]/N]``: the partitions to read, checked against the
+    stream on its server (a short conversation before reading: the server must be there)."""
+    from .errors import TransportError
+    from .partitions import check_name, parse_partitions
+    from .redact import redact_url
+    from .transports.jetstream import stream_partitions
+    from .transports.nats import NatsOptions
+
+    name = sources.stream
+    assert name is not None
+    bad_name = check_name(name)
+    if bad_name is not None:
+        raise UsageError(bad_name)
+    if len(specs) != 1 or specs[0].kind != "nats" or specs[0].subjects:
+        raise UsageError(
+            "--stream reads one JetStream server (or one comma list of a cluster's servers): "
+            "give one nats://HOST:PORT[,nats://HOST:PORT...]"
+        )
+    c = sources.connection
+    if c is not None and c.subjects:
+        raise UsageError("--subject does not apply to --stream (its partitions name the subjects)")
+    wanted = None
+    if sources.partition is not None:
+        try:
+            wanted = parse_partitions(sources.partition)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    url = specs[0].address
+    total = stream_partitions(url, c.nats if c is not None else NatsOptions(), name)
+    if total is None:
+        raise TransportError(
+            f"{redact_url(url)}: no fleet stream {name} there (`kvctl stream init` makes one)"
+        )
+    if wanted is not None and wanted[1] != total:
+        raise UsageError(
+            f"--partition {sources.partition}: stream {name} has {total} partitions, "
+            f"not {wanted[1]}"
+        )
+    chosen = wanted[0] if wanted is not None else list(range(total))
+    return StreamRead(name, tuple(chosen), total)
 
 
 def stream(
@@ -183,7 +232,8 @@ def read(
 
 def live_addresses(source: Any, sources: Sources) -> list[str]:
     """The ``batch.source`` each live SOURCE argument produces (labels stripped); none for
-    recordings, whose batches name the sources they were recorded from."""
-    if not isinstance(source, LiveSource):
+    recordings, whose batches name the sources they were recorded from, nor a fleet stream,
+    whose batches name the engines its bridges read."""
+    if not isinstance(source, LiveSource) or sources.stream is not None:
         return []
     return [SourceSpec.parse(s).address for s in sources.addresses]

@@ -20,6 +20,7 @@ from ..options import (
     limit_options,
     reporting,
     source_arguments,
+    stream_options,
 )
 from ..redact import shown_sources
 from ..selection import Filters, Limits
@@ -156,14 +157,7 @@ def print_report(report: Report, summary: Summary, fail: bool, console: Any) -> 
     "FILE.",
 )
 @index_timeout_option("--against")
-@click.option(
-    "--partition",
-    metavar="I/N",
-    callback=lambda ctx, param, value: None if value is None else parse_partition(value),
-    help="Check only the workers of partition I of N (0 <= I < N): of a dataset, only the "
-    "segments of partition I are read; of a live source, other workers' batches are skipped. "
-    "Exact for those workers: merge the shards' --json reports with --merge.",
-)
+@stream_options
 @click.option(
     "--merge",
     is_flag=True,
@@ -189,7 +183,9 @@ def command(
 
     A dataset (the segments of partitioned recorders in a directory, or s3://bucket/prefix) is
     read in receive-time order. A big one is checked in shards, one per partition, and the
-    reports merged; the merge equals one check of the whole (rules are per worker):
+    reports merged; the merge equals one check of the whole (rules are per worker). A fleet
+    stream (--stream NAME) is sharded alike, --partition I/N reading only partition I's
+    subject; of other live sources it skips the other partitions' workers:
 
     \b
       kvctl check data/ --partition 0/4 --json > r0.json   # ... up to 3/4
@@ -204,6 +200,7 @@ def command(
       kvctl check 1=tcp://10.0.0.1:5557 2=tcp://10.0.0.2:5557 --idle-timeout 10 \\
           --against http://127.0.0.1:8090
       kvctl check run.parquet --against snapshot.json
+      kvctl check nats://10.0.0.5:4222 --stream fleet --partition 2/8 --duration 60 --json
 
     --against compares what a router's index holds (its /dump, fetched when the run ends, or a
     /dump FILE) with what the stream says each engine holds, per worker and dp rank: blocks
@@ -211,15 +208,21 @@ def command(
     router never learned (KV502). Read the stream from the engines' start, and let a live
     stream go quiet before the end (--idle-timeout): events still in flight show as drift.
     """
+    from ..errors import UsageError
     from ..pipeline import Summary
     from ..session import live_addresses, on_interrupt, read
 
     if params["merge"]:
         merge_command(list(sources.addresses), out, params["fail_on"], params["max_examples"])
         return
-    partition = params["partition"]
-    if partition is not None:
-        selection.partition = partition
+    partition = None
+    if params["partition_spec"] is not None:
+        try:
+            partition = parse_partition(params["partition_spec"])
+        except click.BadParameter as exc:
+            raise UsageError(f"--partition: {exc.message}") from None
+        if sources.stream is None:  # a fleet stream is read from partition I's subject only
+            selection.partition = partition
     quiet = out.quiet
     max_examples = params["max_examples"]
     against = _RouterIndex.open(params["against"], params["index_timeout"])
@@ -266,6 +269,7 @@ def command(
     def on_open(source: Any) -> None:
         nonlocal started
         started = time.monotonic()  # --idle-timeout counts from the start, like the pipeline's
+        # none of a fleet stream: which of its engines must publish is --expect-workers's
         live = live_addresses(source, sources)
         if partition is not None and live:
             live = _in_partition(list(sources.addresses), live, partition)

@@ -15,7 +15,14 @@ import click
 
 from ..events import Batch, Event
 from ..help import KvctlCommand
-from ..options import Sources, filter_options, limit_options, reporting, source_arguments
+from ..options import (
+    Sources,
+    filter_options,
+    limit_options,
+    reporting,
+    source_arguments,
+    stream_options,
+)
 from ..pipeline import Emptied, Gap, Item, Malformed, Narrowed
 from ..selection import Filters, Limits
 from ..text import parse_duration, plural
@@ -90,19 +97,7 @@ def _interval(value: str | None) -> float | None:
     help="fsync the journal at every flush (slower; survives "
     "power loss, not only a killed process).",
 )
-@click.option(
-    "--stream",
-    metavar="NAME",
-    help="Record a fleet stream (made by `kvctl stream init`) from its JetStream server "
-    "into a dataset of Parquet segments in the -o directory (or s3://bucket/prefix).",
-)
-@click.option(
-    "--partition",
-    "partition_spec",
-    metavar="I[,J...]/N",
-    help="With --stream: record only these partitions of the stream's N (one recorder "
-    "per partition set; several may share one -o). Default: all partitions.",
-)
+@stream_options
 @click.option(
     "--layout",
     type=click.Choice(LAYOUTS),

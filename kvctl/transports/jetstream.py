@@ -35,7 +35,7 @@ from typing import Any
 from ..errors import TransportError
 from ..redact import redact_url
 from ..text import plural
-from .nats import NatsOptions, describe, servers_of
+from .nats import NatsOptions, Subscriber, describe, servers_of
 
 FETCH_BATCH = 1000
 """Messages asked for in one pull request (and at most this many wait beside the queue)."""
@@ -48,6 +48,9 @@ API_PREFIX = "$JS.API"
 """The JetStream API prefix of ``nc.jetstream()`` (no domain)."""
 MAX_ACK_PENDING = 1_000_000
 """Messages delivered and not yet acked, per consumer: a segment's worth, and more."""
+CONSUMER_INACTIVE_S = 10.0
+"""A live reader's ephemeral consumer without interest (the reader was killed) is deleted by
+the server after this long."""
 QUEUE_BATCHES = 8
 """Fetched batches waiting for the recorder (bounded: the fetch tasks wait when it is full)."""
 
@@ -544,3 +547,151 @@ class PartitionReader:
             self._call(shut(), timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+# --- a read-only live source of a fleet stream (tap, check, stats, top, index --stream) -------
+
+
+class StreamSubscriber(Subscriber):
+    """Some partitions of a fleet stream, read without a trace on the server: one ephemeral
+    ordered push consumer per partition's subject (no durable state, no acks; nats-py makes
+    one again after a reconnect, from the message after the last one handed over). New
+    messages by default; everything the stream holds with ``from_start``.
+
+    The client, its reconnection and the hand-over are :class:`~.nats.Subscriber`'s: messages
+    arrive on :attr:`socket` as ``[headers as JSON, body]`` (undecoded: the pipeline turns
+    them into batches), state changes as its control messages. A stream's history is never
+    dropped for lack of room: the consumer's flow control holds the server back instead."""
+
+    def __init__(
+        self,
+        server: str,
+        stream: str,
+        subjects: list[str],
+        options: NatsOptions | None = None,
+        from_start: bool = False,
+        queue_bytes: int | None = None,
+    ) -> None:
+        from .zmq import DEFAULT_QUEUE_BYTES
+
+        # the parent's own from_start reads Dynamo's streams: never here
+        super().__init__(server, subjects, options, False, queue_bytes or DEFAULT_QUEUE_BYTES)
+        self.stream = stream
+        self.stream_from_start = from_start
+        self.consumers: dict[str, Any] = {}
+        """Subject -> nats-py's push subscription (``_consumer``: the consumer's name,
+        renewed when nats-py makes it again); deleted at close."""
+        self.next_seq: dict[str, int] = {}
+        """Subject -> the stream seq after the last message handed over (where a consumer
+        made again starts)."""
+        self.resumer: asyncio.Future[Any] | None = None
+
+    RESUME_RETRIES = 40
+    RESUME_RETRY_S = 0.5  # JetStream needs a moment after a server restart
+
+    async def _subscribe(self, nc: Any, push: Any, jetstream_subjects: set[str]) -> None:
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        stop = self._stop
+        assert stop is not None
+        if not self.stream_from_start:
+            # new messages: from the seq after the stream's last, so that a consumer made
+            # again after a reconnect knows where new began (DeliverPolicy.NEW would not)
+            info = await js.stream_info(self.stream)
+            for subject in self.subjects:
+                self.next_seq[subject] = info.state.last_seq + 1
+        for subject in self.subjects:
+            await self._consume(js, push, subject)
+        await nc.flush(timeout=self.options.connect_timeout)
+        self.resumer = asyncio.ensure_future(self._resume_on_reconnect(nc, js, push, stop))
+
+    async def _consume(self, js: Any, push: Any, subject: str) -> None:
+        """One ordered consumer of ``subject``, from :attr:`next_seq` (all when unknown)."""
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        stop = self._stop
+        assert stop is not None
+        next_seq = self.next_seq
+
+        async def forward(msg: Any) -> None:
+            seq = stream_seq(msg)
+            if seq < next_seq.get(subject, 0):  # a replaced consumer's, handed over already
+                return
+            headers = json.dumps(msg.headers or {}, separators=(",", ":")).encode()
+            data = msg.data
+            size = len(headers) + len(data)
+            while (
+                self.pushed_bytes - self.taken_bytes + size > self.queue_bytes
+                and self.pushed != self.taken_messages
+                and not stop.is_set()
+            ):
+                await asyncio.sleep(self.ROOM_WAIT_S)
+            push.send_multipart([headers, data], copy=False)
+            self.pushed_bytes += size
+            self.pushed += 1
+            next_seq[subject] = seq + 1
+
+        start = next_seq.get(subject)
+        config = (
+            ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+            if start is None
+            else ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+        )
+        # a reader killed without closing leaves its consumers this long at most
+        config.inactive_threshold = CONSUMER_INACTIVE_S
+        self.consumers[subject] = await js.subscribe(
+            subject, stream=self.stream, cb=forward, ordered_consumer=True, config=config
+        )
+
+    async def _resume_on_reconnect(self, nc: Any, js: Any, push: Any, stop: Any) -> None:
+        """After each reconnect, every consumer made again from the message after the last
+        one handed over: a restarted server has forgotten them (in memory), and nats-py would
+        notice only after missing heartbeats, ~20 s later."""
+        seen = nc.stats["reconnects"]
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+            if nc.stats["reconnects"] == seen or not nc.is_connected:
+                continue
+            seen = nc.stats["reconnects"]
+            for subject, old in list(self.consumers.items()):
+                await self._drop(js, old)
+                for attempt in range(self.RESUME_RETRIES):
+                    try:
+                        await self._consume(js, push, subject)
+                        break
+                    except Exception as exc:
+                        if stop.is_set():
+                            return
+                        if attempt == self.RESUME_RETRIES - 1:
+                            self._control(push, "error", f"{subject} not resumed: {describe(exc)}")
+                        await asyncio.sleep(self.RESUME_RETRY_S)
+
+    async def _drop(self, js: Any, sub: Any) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(sub.unsubscribe(), 2)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(js.delete_consumer(self.stream, sub._consumer), 2)
+
+    async def _close(self, nc: Any) -> None:
+        """The consumers are deleted (read-only: nothing of this reader stays on the server),
+        then the connection closed."""
+        if self.resumer is not None:
+            self.resumer.cancel()
+        if not nc.is_closed and self.consumers:
+            js = nc.jetstream(timeout=2)
+            for sub in self.consumers.values():
+                await self._drop(js, sub)
+        await super()._close(nc)
+
+
+def stream_partitions(url: str, options: NatsOptions, stream: str) -> int | None:
+    """How many partitions the fleet stream ``stream`` has (None: no such stream, or not one
+    ``kvctl stream init`` made); a short conversation, each failure one line."""
+    from .nats import fleet_layout, run_jetstream, stream_info_or_none
+
+    async def work(js: Any) -> int | None:
+        info = await stream_info_or_none(js, stream)
+        layout = None if info is None else fleet_layout(info)
+        return None if layout is None else layout.partitions
+
+    result: int | None = run_jetstream(url, options, work)
+    return result
