@@ -127,7 +127,8 @@ def test_merge_refuses_a_partition_given_twice(recording, tmp_path):
 @pytest.mark.parametrize("value", ["4/4", "1", "a/b", "-1/2", "0/0"])
 def test_partition_must_be_i_of_n(recording, value):
     result = run_main("check", str(recording), "--partition", value)
-    assert result.code == 2 and "I/N" in result.err
+    assert result.code == 2 and f"--partition {value!r}" in result.err, result.err
+    assert len(result.err.strip().splitlines()) == 1
 
 
 def test_a_live_source_keeps_only_the_partitions_workers(endpoint):

@@ -148,6 +148,33 @@ def test_tap_of_the_stream_shows_what_tap_of_the_engines_showed(
     assert consumers_left(nats_server.url, name) == 0  # ordered consumers are ephemeral
 
 
+@pytest.mark.parametrize("command", ["stats", "index"])
+def test_stats_and_index_read_the_stream(
+    nats_server: NatsServer, bridged: dict[str, Any], tmp_path, command: str
+) -> None:
+    """The other reading commands take the same source: stats counts the engines' events,
+    index builds their blocks (what a recording of the stream would give)."""
+    name = bridged["layout"].name
+    events = len(bridged["tap"])
+    if command == "stats":
+        result = run_main(
+            "stats", nats_server.url, "--stream", name, "--from-start", "--json",
+            "--idle-timeout", "2", "-q",
+        )  # fmt: skip
+        assert result.code == 0, result.err
+        report = json.loads(result.out)
+        assert report["overall"]["events"] == events, report["overall"]
+    else:
+        snapshot = tmp_path / "index.json"
+        result = run_main(
+            "index", nats_server.url, "--stream", name, "--from-start", "--idle-timeout", "2",
+            "-o", str(snapshot), "-q",
+        )  # fmt: skip
+        assert result.code == 0, result.err
+        assert snapshot.stat().st_size > 0
+    assert consumers_left(nats_server.url, name) == 0
+
+
 def _comparable(report: dict[str, Any], examples: bool = True) -> dict[str, Any]:
     rules = {
         r["id"]: (

@@ -217,10 +217,18 @@ def command(
         return
     partition = None
     if params["partition_spec"] is not None:
+        from ..partitions import parse_partitions
+
         try:
-            partition = parse_partition(params["partition_spec"])
-        except click.BadParameter as exc:
-            raise UsageError(f"--partition: {exc.message}") from None
+            chosen, count = parse_partitions(params["partition_spec"])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if len(chosen) != 1:  # a report (and --merge) carries one partition
+            raise UsageError(
+                f"--partition {params['partition_spec']}: check takes one partition, I/N "
+                "(run one check per partition and --merge the reports)"
+            )
+        partition = (chosen[0], count)
         if sources.stream is None:  # a fleet stream is read from partition I's subject only
             selection.partition = partition
     quiet = out.quiet
@@ -340,18 +348,6 @@ def _in_partition(
         if spec.kind != "zmq" or partition_of(key, partition[1]) == partition[0]:
             kept.append(address)
     return kept
-
-
-def parse_partition(text: str) -> tuple[int, int]:
-    """``I/N`` with 0 <= I < N, else click's usage error (exit 2)."""
-    index, sep, count = text.partition("/")
-    try:
-        i, n = int(index), int(count)
-    except ValueError:
-        i = n = -1
-    if not sep or n < 1 or not 0 <= i < n:
-        raise click.BadParameter(f"{text!r} is not I/N with 0 <= I < N (e.g. 0/4)")
-    return i, n
 
 
 def merge_command(paths: list[str], out: Output, fail_on: str, max_examples: int) -> None:

@@ -17,6 +17,7 @@ from ..options import (
     limit_options,
     reporting,
     source_arguments,
+    stream_options,
     until_option,
 )
 from ..redact import shown_sources
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 @click.command("index", cls=KvctlCommand)
 @source_arguments
+@stream_options
 @filter_options
 @limit_options
 @click.option(

@@ -371,25 +371,6 @@ _NOT_WITH_STREAM = (
 )
 
 
-def parse_partitions(spec: str) -> tuple[list[int], int]:
-    """``I[,J...]/N`` -> (sorted partitions, N); ValueError saying why."""
-    chosen, slash, total = spec.partition("/")
-    example = "e.g. 0,1/4: partitions 0 and 1 of 4"
-    try:
-        n = int(total)
-        parts = [int(p) for p in chosen.split(",")]
-    except ValueError:
-        raise ValueError(f"--partition {spec!r}: expected I[,J...]/N ({example})") from None
-    if not slash or n < 1:
-        raise ValueError(f"--partition {spec!r}: expected I[,J...]/N ({example})")
-    bad = [p for p in parts if not 0 <= p < n]
-    if bad:
-        raise ValueError(f"--partition {spec!r}: partition {bad[0]} is not in 0..{n - 1}")
-    if len(set(parts)) != len(parts):
-        raise ValueError(f"--partition {spec!r}: a partition is named twice")
-    return sorted(parts), n
-
-
 def _stream_usage(sources: Sources, selection: Filters, params: dict[str, Any]) -> str:
     """The one NATS URL of --stream, or UsageError for what does not apply."""
     from ..errors import UsageError
@@ -432,7 +413,7 @@ def _record_stream(
     (the transport is kvctl.transports.jetstream, the segments kvctl.recording.
     partition_writer)."""
     from ..errors import TransportError, UsageError
-    from ..partitions import StreamLayout, check_name
+    from ..partitions import StreamLayout, check_name, parse_partitions
     from ..redact import redact_argv, redact_url
     from ..session import on_interrupt
 

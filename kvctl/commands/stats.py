@@ -8,7 +8,14 @@ import click
 
 from ..events import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED
 from ..help import KvctlCommand
-from ..options import Sources, filter_options, limit_options, reporting, source_arguments
+from ..options import (
+    Sources,
+    filter_options,
+    limit_options,
+    reporting,
+    source_arguments,
+    stream_options,
+)
 from ..redact import shown_sources
 from ..selection import Filters, Limits
 from ..text import plural
@@ -182,6 +189,7 @@ def print_stats(result: dict[str, Any], summary: Summary, console: Any) -> None:
 
 @click.command("stats", cls=KvctlCommand)
 @source_arguments
+@stream_options
 @filter_options
 @limit_options
 @click.option(

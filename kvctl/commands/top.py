@@ -18,6 +18,7 @@ from ..options import (
     limit_options,
     reporting,
     source_arguments,
+    stream_options,
 )
 from ..redact import shown_sources
 from ..selection import Filters, Limits
@@ -288,6 +289,7 @@ class Keys:
 
 @click.command("top", cls=KvctlCommand)
 @source_arguments
+@stream_options
 @filter_options
 @limit_options
 @click.option(
