@@ -554,6 +554,9 @@ class _StreamRun:
                 if deadline is not None and now >= deadline:
                     self.stopped_by = "duration"
                     return
+                # a server restart or a leader election is not idleness: the messages are
+                # there, the pulls fail; the idle time counts from the last failure
+                last_message = max(last_message, self.reader.failed_at)
                 if limits.idle_timeout and now - last_message >= limits.idle_timeout:
                     self.stopped_by = "idle timeout"
                     return

@@ -173,6 +173,8 @@ class PartitionReader:
         self.tasks: list[concurrent.futures.Future[Any]] = []
         self.fetch_errors = 0
         self.last_error = ""
+        self.failed_at = 0.0
+        """When a pull last failed (time.monotonic): an outage is not idleness."""
         self.first_seq = 0
         self.received: dict[int, int] = {}
         """Per partition, the last stream seq delivered to the recorder (or it resumes
@@ -395,6 +397,7 @@ class PartitionReader:
                 wake.clear()
                 now = loop.time()
                 if now >= lost_at:
+                    self.failed_at = time.monotonic()  # no answer at all: not idleness
                     break  # lost with a connection: asked again
                 # while some wait for room in the queue, it is tried again every 5 ms
                 with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
@@ -483,6 +486,7 @@ class PartitionReader:
 
     async def _failed(self, partition: int, text: str) -> None:
         self.fetch_errors += 1
+        self.failed_at = time.monotonic()
         if text != self.last_error:  # said once per kind, not twice a second
             self.notify(f"kvctl: partition {partition}: pull failed ({text}); retrying")
         self.last_error = text
