@@ -201,6 +201,16 @@ def nats_server_binary() -> str:
     return found
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it overstays 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class NatsServer:
     def __init__(self, store: Path, *extra: str, port: int | None = None) -> None:
         self.port = port or free_port()
@@ -233,12 +243,7 @@ class NatsServer:
         raise RuntimeError("nats-server did not start within 15 s")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 def publish(url: str, messages: list[tuple[str, bytes]], stream: str | None = None) -> None:
@@ -420,12 +425,7 @@ class S3Server:
         return f"s3://{self.BUCKET}/{prefix}"
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 @pytest.fixture(scope="session")
