@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import zmq
@@ -74,6 +75,24 @@ def publisher(endpoint: str, payloads: list[bytes], ready, go, done) -> None:
     sock.recv()  # the unsubscription (consumer closed): everything was delivered
     sock.close(linger=0)
     ctx.term()
+
+
+def engine_sockets(endpoints: list[str], ready: Any, go: Any) -> tuple[zmq.Context, list[Any]]:
+    """One XPUB per engine endpoint, unbounded send queues; ``ready`` is set once they are
+    bound, and they are returned once each has a subscriber and ``go`` is set (a consumer
+    connected to all of them, the timed part may start)."""
+    ctx = zmq.Context()
+    socks = []
+    for endpoint in endpoints:
+        sock = ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.bind(endpoint)
+        socks.append(sock)
+    ready.set()
+    for sock in socks:
+        sock.recv()  # a subscription
+    go.wait()
+    return ctx, socks
 
 
 PREQUEUED_QUEUE_BYTES = 4_000_000_000

@@ -41,6 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _stream import engine_sockets
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -304,19 +306,7 @@ def applied(port: int) -> int:
 
 def publish(endpoints: list[str], payloads: list[tuple[int, bytes]], ready: Any, go: Any) -> None:
     """One XPUB per worker; waits for a subscriber on each, then sends everything at once."""
-    import zmq
-
-    ctx = zmq.Context()
-    socks = []
-    for endpoint in endpoints:
-        sock = ctx.socket(zmq.XPUB)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.bind(endpoint)
-        socks.append(sock)
-    ready.set()
-    for sock in socks:
-        sock.recv()  # a subscription: the index is connected
-    go.wait()
+    ctx, socks = engine_sockets(endpoints, ready, go)
     seqs = [0] * len(socks)
     for worker, payload in payloads:
         socks[worker].send_multipart([b"", seqs[worker].to_bytes(8, "big"), payload])

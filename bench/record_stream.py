@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _stream import free_port, realistic_payloads
+from _stream import engine_sockets, free_port, realistic_payloads
 
 PARTITIONS = 4
 WORKERS = 64
@@ -287,19 +287,7 @@ BRIDGE_SOURCES = 8
 def _engines(endpoints: list[str], messages: list[list[list[bytes]]], ready, go) -> None:
     """One XPUB per engine, its messages queued whole once the bridge subscribed and ``go``
     is set (the bridge then drains queues, as from engines publishing faster than it)."""
-    import zmq
-
-    ctx = zmq.Context()
-    socks = []
-    for endpoint in endpoints:
-        sock = ctx.socket(zmq.XPUB)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.bind(endpoint)
-        socks.append(sock)
-    ready.set()
-    for sock in socks:
-        sock.recv()  # the bridge's subscription
-    go.wait()
+    ctx, socks = engine_sockets(endpoints, ready, go)
     for sock, frames_list in zip(socks, messages, strict=True):
         for frames in frames_list:
             sock.send_multipart(frames)

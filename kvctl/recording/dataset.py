@@ -41,7 +41,6 @@ LAYOUTS = ("flat", "hive")
 SEGMENT_NAME = re.compile(
     r"^(?P<stream>[A-Za-z0-9_-]{1,64})\.p(?P<partition>\d+)\.(?P<first>\d+)-(?P<last>\d+)\.parquet$"
 )
-HIVE_DIRS = re.compile(r"^dt=\d{4}-\d{2}-\d{2}/hour=\d{2}/part=(?P<partition>\d+)$")
 _SEQ_DIGITS = 12
 """Sequence numbers are zero-padded so that names sort in stream order (longer still parse)."""
 
@@ -73,10 +72,6 @@ class Segment:
         return cls(match["stream"], int(match["partition"]), first, last)
 
 
-def partition_dir(partition: int) -> str:
-    return f"part={partition:02d}"
-
-
 def segment_path(layout: str, segment: Segment, recv_ns: int) -> str:
     """The segment's path relative to the dataset root (``/``-separated)."""
     if layout == "flat":
@@ -84,9 +79,7 @@ def segment_path(layout: str, segment: Segment, recv_ns: int) -> str:
     if layout != "hive":
         raise ValueError(f"unknown layout {layout!r} (one of {', '.join(LAYOUTS)})")
     when = datetime.datetime.fromtimestamp(recv_ns / 1e9, tz=datetime.timezone.utc)
-    return (
-        f"dt={when:%Y-%m-%d}/hour={when:%H}/{partition_dir(segment.partition)}/{segment.file_name}"
-    )
+    return f"dt={when:%Y-%m-%d}/hour={when:%H}/part={segment.partition:02d}/{segment.file_name}"
 
 
 def hour_of(recv_ns: int) -> int:
