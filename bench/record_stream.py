@@ -265,6 +265,10 @@ def record_round(
     recorded = sum(x.get("messages", 0) for x in summaries)
     if recorded != total:
         raise SystemExit(f"the recorders recorded {recorded} of {total}: {stderr}")
+    if seen["acked"] <= seen["up"]:
+        # a stream recorded before the consumers were first seen (a tiny run, or a cluster
+        # slow to answer): when it was up is unknown, the start is the conservative bound
+        seen["up"] = start
     return {
         "elapsed": seen["acked"] - start,
         "steady": seen["acked"] - seen["up"],
